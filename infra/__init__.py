@@ -1,0 +1,1 @@
+"""specdeploy infrastructure: stack configuration, capacity planning, Pulumi components, operations."""

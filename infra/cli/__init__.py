@@ -1,0 +1,1 @@
+"""The `specdeploy` command. Heavy imports happen inside subcommands, never here."""
