@@ -1,0 +1,486 @@
+"""The stack schema: the whole deployment intent of one environment, validated once.
+
+``stacks/Pulumi.<env>.yaml`` holds it under ``config:`` with one project key per
+section (``specdeploy:model``, ``specdeploy:fleet``, ...). The Pulumi program, the
+local platform, the launch validation and the release tooling all read it
+through :class:`StackConfig`; the server's own config file is rendered from it
+(:func:`render_server_config`), never written twice by hand.
+
+This module imports neither pulumi nor torch: ``specdeploy config validate``
+must start in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from serving.config import (
+    ConfigError,
+    Dtype,
+    SchedulerSection,
+    ServerConfig,
+    StrictModel,
+    format_validation_error,
+)
+
+PROJECT = "specdeploy"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+STACKS_DIR = REPO_ROOT / "stacks"
+
+# Where the server finds its models on a host or in a pod; the weight pull writes here.
+MODEL_CACHE_DIR = "/data/models"
+
+_URI = re.compile(r"^(s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?|file://.+)$")
+_SLOT_NAMES = ("blue", "green")
+Platform = Literal["local", "aws", "kubernetes"]
+
+
+def _check_uri(value: str) -> str:
+    if not _URI.match(value):
+        raise ValueError(f"{value!r} is not a weights URI; use s3://bucket/prefix or file:///path")
+    return value
+
+
+class ModelSpec(StrictModel):
+    """A model version in the weight store, plus the dimensions the capacity plan needs
+    when its config.json cannot be read (a private bucket at review time)."""
+
+    name: str = Field(..., min_length=1, description="Model id served in the API (`model` field).")
+    source: str = Field(..., description="Weights URI of this version: s3://bucket/prefix or file:///dir.")
+    dtype: Dtype = Field("bf16", description="Serving precision.")
+    params_b: float | None = Field(None, gt=0, description="Parameter count in billions (capacity plan).")
+    num_layers: int | None = Field(None, gt=0, description="Decoder layers (capacity plan).")
+    hidden_size: int | None = Field(None, gt=0, description="Model width (capacity plan).")
+    num_attention_heads: int | None = Field(None, gt=0, description="Query heads (capacity plan).")
+    num_kv_heads: int | None = Field(None, gt=0, description="Key/value heads; GQA when below query heads.")
+    head_dim: int | None = Field(None, gt=0, description="Per-head width; default hidden / heads.")
+
+    @field_validator("source")
+    @classmethod
+    def _source_uri(cls, value: str) -> str:
+        return _check_uri(value)
+
+
+class SpeculativeSpec(StrictModel):
+    enabled: bool = Field(False, description="Serve with speculative decoding.")
+    method: Literal["draft", "ngram"] = Field("draft", description="Proposer: draft model or n-gram lookup.")
+    num_draft_tokens: int = Field(4, ge=1, le=16, description="Largest k per step (guide: test 2..8).")
+    adaptive: bool = Field(True, description="Pick k per step from measured goodput; false = fixed k.")
+
+
+class ServiceSpec(StrictModel):
+    port: int = Field(8000, ge=1, le=65535, description="Server port on the host or in the pod.")
+    drain_grace_s: float = Field(30.0, gt=0, le=3600, description="In-flight grace period after SIGTERM.")
+    metrics_require_auth: bool = Field(False, description="Require an API key for /metrics.")
+
+
+class FleetSpec(StrictModel):
+    instance_type: str = Field("auto", description="EC2 type, or `auto` for the cheapest that fits the plan.")
+    min_size: int = Field(1, ge=0, le=1000, description="Baseline instances; scale-in never goes below.")
+    max_size: int = Field(2, ge=1, le=1000, description="Upper bound of the autoscaling group.")
+    desired_capacity: int | None = Field(None, ge=0, description="Initial size; default min_size.")
+    capacity_type: Literal["on-demand", "spot", "mixed"] = Field(
+        "on-demand", description="Purchase option; spot suits offline batch stacks."
+    )
+    on_demand_base: int = Field(1, ge=0, description="On-demand instances kept under `mixed`.")
+    ami_id: str | None = Field(None, description="Fixed AMI id; default: the GPU AMI from ami_ssm_parameter.")
+    ami_ssm_parameter: str = Field(
+        "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id",
+        description="SSM parameter resolving the GPU (Deep Learning Base) AMI.",
+    )
+    root_volume_gb: int = Field(200, ge=30, le=16384, description="Encrypted gp3 root, sized for weights.")
+    warmup_s: int = Field(900, ge=60, description="Grace period for weight pull, load and warm-up.")
+    queue_target_per_instance: float = Field(
+        8.0, gt=0, description="Target tracking: waiting requests per instance."
+    )
+    scale_schedules: list[ScaleSchedule] = Field(
+        default_factory=list, description="Known peaks: cron schedules raising min_size."
+    )
+    nvidia_driver_min: str | None = Field(None, description="Minimum driver version checked at boot.")
+    image_repository: str = Field("specdeploy-server", description="ECR repository name for the image.")
+
+    @model_validator(mode="after")
+    def _sizes(self) -> FleetSpec:
+        if self.min_size > self.max_size:
+            raise ValueError(f"fleet.min_size ({self.min_size}) exceeds fleet.max_size ({self.max_size})")
+        desired = self.desired_capacity
+        if desired is not None and not self.min_size <= desired <= self.max_size:
+            raise ValueError(f"fleet.desired_capacity ({desired}) must lie in [min_size, max_size]")
+        return self
+
+
+class ScaleSchedule(StrictModel):
+    name: str = Field(..., pattern=r"^[a-z0-9-]+$", description="Schedule name.")
+    cron: str = Field(..., description="Cron expression (UTC) when it applies.")
+    min_size: int = Field(..., ge=0, description="Baseline during the peak.")
+
+
+class AccessSpec(StrictModel):
+    public: bool = Field(False, description="Internet-facing load balancer / ingress (needs TLS).")
+    allowed_cidrs: list[str] = Field(
+        default_factory=lambda: ["10.0.0.0/8"], description="Client CIDRs allowed to reach the endpoint."
+    )
+    certificate_arn: str | None = Field(None, description="ACM certificate for HTTPS (aws, required if public).")
+    domain: str | None = Field(None, description="DNS name clients use (informational / ingress host).")
+    vpc_id: str | None = Field(None, description="Existing VPC; default: create one.")
+    private_subnet_ids: list[str] = Field(default_factory=list, description="Subnets for the instances.")
+    public_subnet_ids: list[str] = Field(default_factory=list, description="Subnets for a public ALB.")
+
+    @field_validator("allowed_cidrs")
+    @classmethod
+    def _cidrs(cls, values: list[str]) -> list[str]:
+        for value in values:
+            try:
+                ipaddress.ip_network(value, strict=False)
+            except ValueError as exc:
+                raise ValueError(f"{value!r} is not a CIDR block") from exc
+        return values
+
+    @model_validator(mode="after")
+    def _subnets(self) -> AccessSpec:
+        if self.vpc_id and not self.private_subnet_ids:
+            raise ValueError("access.private_subnet_ids is required when access.vpc_id is given")
+        if self.vpc_id and self.public and not self.public_subnet_ids:
+            raise ValueError("access.public_subnet_ids is required for a public service in an existing VPC")
+        return self
+
+
+class AlertingSpec(StrictModel):
+    emails: list[str] = Field(default_factory=list, description="Email addresses subscribed to alerts.")
+    https_endpoints: list[str] = Field(default_factory=list, description="HTTPS webhooks (pager, chat).")
+    runbook_base_url: str = Field(
+        "https://github.com/specdeploy/specdeploy/blob/main/runbooks",
+        description="Base URL of runbooks/; each alarm links <base>/<AlarmName>.md.",
+    )
+    gpu_memory_warn_ratio: float = Field(0.85, gt=0, le=1, description="GPU memory share that warns (guide).")
+    gpu_utilization_high_ratio: float = Field(0.95, gt=0, le=1, description="Sustained GPU busy share.")
+    error_rate_critical: float = Field(0.01, gt=0, le=1, description="5xx share that pages (guide: 1 %).")
+    p99_latency_s: float = Field(30.0, gt=0, description="P99 end-to-end latency threshold.")
+    p99_ttft_s: float = Field(2.0, gt=0, description="P99 time-to-first-token threshold.")
+    queue_length_warn: int = Field(32, ge=1, description="Waiting requests per instance that warn.")
+    evaluation_minutes: int = Field(5, ge=1, le=60, description="Minutes a condition must hold.")
+
+    @field_validator("https_endpoints")
+    @classmethod
+    def _https(cls, values: list[str]) -> list[str]:
+        for value in values:
+            if not value.startswith("https://"):
+                raise ValueError(f"{value!r} must be an https:// URL")
+        return values
+
+
+class SloSpec(StrictModel):
+    """Targets the launch validation gates on (the guide: compare every figure with a target)."""
+
+    ttft_p99_ms: float = Field(2000, gt=0, description="P99 time to first token.")
+    tpot_p99_ms: float = Field(200, gt=0, description="P99 time per output token after the first.")
+    e2e_p99_s: float = Field(30, gt=0, description="P99 end-to-end latency.")
+    min_tokens_per_s: float = Field(0, ge=0, description="Aggregate generated tokens/s at target load.")
+    max_error_rate: float = Field(0.0, ge=0, le=1, description="Error share allowed under target load.")
+    target_concurrency: int = Field(8, ge=1, description="Concurrency at which the SLOs must hold.")
+    memory_slope_mb_per_min: float = Field(5.0, gt=0, description="Soak: RSS growth above this is a leak.")
+
+
+class SlotSpec(StrictModel):
+    image: str = Field(..., min_length=1, description="Server image, by digest in production.")
+    model_version: str = Field(..., description="Weights URI of the model version this slot serves.")
+    draft_version: str | None = Field(None, description="Weights URI of the draft version, if any.")
+
+    @field_validator("model_version", "draft_version")
+    @classmethod
+    def _version_uri(cls, value: str | None) -> str | None:
+        return value if value is None else _check_uri(value)
+
+
+class ReleaseSpec(StrictModel):
+    active: Literal["blue", "green"] = Field("blue", description="Slot taking (most) traffic.")
+    canary_weight: int = Field(0, ge=0, le=100, description="Percent of traffic on the idle slot.")
+    blue: SlotSpec | None = Field(None, description="The blue slot.")
+    green: SlotSpec | None = Field(None, description="The green slot (absent until a release).")
+
+    @model_validator(mode="after")
+    def _active_exists(self) -> ReleaseSpec:
+        if getattr(self, self.active) is None:
+            raise ValueError(f"release.active is {self.active!r} but release.{self.active} is not defined")
+        idle = self.idle_slot
+        if self.canary_weight and (idle is None or getattr(self, idle) is None):
+            raise ValueError("release.canary_weight > 0 needs both slots defined")
+        return self
+
+    @property
+    def idle_slot(self) -> Literal["blue", "green"] | None:
+        return "green" if self.active == "blue" else "blue"
+
+    def slot(self, name: str) -> SlotSpec | None:
+        if name not in _SLOT_NAMES:
+            raise ValueError(f"unknown slot {name!r}; allowed: {', '.join(_SLOT_NAMES)}")
+        spec: SlotSpec | None = getattr(self, name)
+        return spec
+
+
+class Toleration(StrictModel):
+    key: str
+    operator: Literal["Exists", "Equal"] = "Exists"
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = "NoSchedule"
+
+
+class KubernetesSpec(StrictModel):
+    namespace: str = Field("specdeploy", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", description="Namespace.")
+    gpus_per_pod: int = Field(1, ge=0, le=16, description="nvidia.com/gpu per pod (0 for CPU clusters).")
+    cpu: str = Field("8", description="CPU request and limit per pod.")
+    memory: str = Field("64Gi", description="Memory request and limit per pod.")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels for GPU nodes.")
+    tolerations: list[Toleration] = Field(default_factory=list, description="Taints the pods tolerate.")
+    weight_cache: Literal["emptyDir", "pvc", "hostPath"] = Field("emptyDir", description="Weight cache volume.")
+    weight_cache_size: str = Field("100Gi", description="Size of the cache volume.")
+    storage_class: str | None = Field(None, description="StorageClass of the cache PVC.")
+    host_path: str = Field("/var/cache/specdeploy/models", description="Node directory for hostPath cache.")
+    ingress_class: str = Field("nginx", description="IngressClass of the ingress controller.")
+    tls_secret: str | None = Field(None, description="Secret with the TLS certificate (required if public).")
+    api_key_secret: str = Field("specdeploy-api-keys", description="Existing Secret holding the API keys.")
+    weights_secret: str | None = Field(None, description="Secret with S3 credentials for the weight pull.")
+    prometheus_namespace: str = Field("monitoring", description="Namespace Prometheus scrapes from.")
+    prometheus_release: str = Field("kube-prometheus-stack", description="`release` label rules select.")
+    ingress_namespace: str = Field("ingress-nginx", description="Namespace of the ingress controller.")
+    min_replicas: int = Field(1, ge=0, description="Baseline replicas per active slot.")
+    max_replicas: int = Field(4, ge=1, description="Upper bound of the autoscaler.")
+
+
+class LocalSpec(StrictModel):
+    state_dir: str = Field(".specdeploy/local", description="Pid, log, rendered config and weight cache.")
+    store_uri: str = Field("file://.specdeploy/store", description="Weight store the demo pair is pushed to.")
+    host: str = Field("127.0.0.1", description="Loopback address the local server binds.")
+    kv_cache_mb: int = Field(256, ge=1, description="KV cache budget on CPU, in MiB.")
+
+
+class StackConfig(StrictModel):
+    """One environment's intent. Each field is one `specdeploy:<key>` in the stack file."""
+
+    platform: Platform = Field(..., description="Where the service runs: local, aws or kubernetes.")
+    model: ModelSpec = Field(..., description="Target model: source, dtype, dimensions for planning.")
+    draft: ModelSpec | None = Field(None, description="Draft model for speculative decoding.")
+    speculative: SpeculativeSpec = Field(default_factory=SpeculativeSpec, description="Speculation.")
+    scheduler: SchedulerSection = Field(default_factory=SchedulerSection, description="Server limits.")
+    service: ServiceSpec = Field(default_factory=ServiceSpec, description="Server process settings.")
+    max_memory_utilization: float = Field(
+        0.85, gt=0.1, le=0.95, description="GPU memory share for weights + KV (guide: 0.85-0.92)."
+    )
+    fleet: FleetSpec = Field(default_factory=FleetSpec, description="AWS instances and autoscaling.")
+    access: AccessSpec = Field(default_factory=AccessSpec, description="Network exposure and TLS.")
+    alerting: AlertingSpec = Field(default_factory=AlertingSpec, description="Alarm targets, thresholds.")
+    slo: SloSpec = Field(default_factory=SloSpec, description="Targets for launch validation.")
+    release: ReleaseSpec | None = Field(None, description="Blue/green slots; default: blue = model.")
+    kubernetes: KubernetesSpec | None = Field(None, description="Cluster settings (platform kubernetes).")
+    local: LocalSpec = Field(default_factory=LocalSpec, description="Local platform settings.")
+    api_keys: str | None = Field(
+        None, description="Secret: API keys `id:key[:rpm]`, comma separated (set with --secret)."
+    )
+
+    @model_validator(mode="after")
+    def _coherent(self) -> StackConfig:
+        if self.speculative.enabled and self.speculative.method == "draft" and self.draft is None:
+            raise ValueError("speculative.method is 'draft' but no `draft` model is configured")
+        if self.platform == "kubernetes" and self.kubernetes is None:
+            raise ValueError("platform 'kubernetes' needs a `kubernetes` section")
+        if self.platform == "aws" and self.access.public and not self.access.certificate_arn:
+            raise ValueError("access.public on aws needs access.certificate_arn (TLS when public)")
+        if self.platform == "kubernetes" and self.access.public and not (
+            self.kubernetes and self.kubernetes.tls_secret
+        ):
+            raise ValueError("access.public on kubernetes needs kubernetes.tls_secret (TLS when public)")
+        if self.draft is not None and self.draft.dtype != self.model.dtype:
+            raise ValueError(
+                f"draft.dtype ({self.draft.dtype}) differs from model.dtype ({self.model.dtype})"
+            )
+        return self
+
+    @property
+    def slots(self) -> ReleaseSpec:
+        """The release slots; a stack without `release` serves `model` from blue."""
+        if self.release is not None:
+            return self.release
+        return ReleaseSpec(
+            active="blue",
+            blue=SlotSpec(
+                image="specdeploy-server:latest",
+                model_version=self.model.source,
+                draft_version=self.draft.source if self.draft else None,
+            ),
+        )
+
+
+FleetSpec.model_rebuild()
+
+# Stack-file key (camelCase, as Pulumi config keys are written) -> StackConfig field.
+_KEY_ALIASES = {"apiKeys": "api_keys", "maxMemoryUtilization": "max_memory_utilization"}
+_FIELD_KEYS = {field: key for key, field in _KEY_ALIASES.items()}
+SECRET_FIELDS = frozenset({"api_keys"})
+SECRET_MASK = "[secret]"
+
+
+def config_key(field: str) -> str:
+    """The stack-file key of a StackConfig field (`api_keys` -> `apiKeys`)."""
+    return _FIELD_KEYS.get(field, field)
+
+
+class StackFile:
+    """A parsed stack file: project config (typed), provider config, and which keys are secret."""
+
+    def __init__(self, name: str, path: Path, config: StackConfig, providers: dict[str, Any],
+                 secret_keys: frozenset[str]) -> None:
+        self.name = name
+        self.path = path
+        self.config = config
+        self.providers = providers
+        self.secret_keys = secret_keys
+
+
+def _parse_value(raw: Any) -> Any:
+    # The CLI stores structured values as YAML; Pulumi passes them to programs as JSON text.
+    if isinstance(raw, str) and raw[:1] in "[{":
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            return raw
+    return raw
+
+
+def parse_stack_mapping(raw: Mapping[str, Any], source: str = "stack") -> tuple[
+        StackConfig, dict[str, Any], frozenset[str]]:
+    """Validate the `config:` mapping of a stack file.
+
+    Returns the typed config, provider settings (e.g. ``aws:region``) and the
+    set of secret field names. Secure values cannot be decrypted without the
+    Pulumi CLI, so they are kept as a masked placeholder.
+    """
+    project: dict[str, Any] = {}
+    providers: dict[str, Any] = {}
+    secrets: set[str] = set()
+    for full_key, value in raw.items():
+        namespace, sep, key = str(full_key).partition(":")
+        if not sep:
+            namespace, key = PROJECT, namespace
+        if namespace != PROJECT:
+            providers[f"{namespace}:{key}"] = value
+            continue
+        field = _KEY_ALIASES.get(key, key)
+        if isinstance(value, Mapping) and set(value) == {"secure"}:
+            secrets.add(field)
+            value = SECRET_MASK
+        project[field] = _parse_value(value)
+    unknown = sorted(set(project) - set(StackConfig.model_fields))
+    if unknown:
+        allowed = ", ".join(f"{PROJECT}:{config_key(f)}" for f in StackConfig.model_fields)
+        raise ConfigError(
+            f"{source}: unknown key {', '.join(f'{PROJECT}:{k}' for k in unknown)}; allowed keys: {allowed}"
+        )
+    try:
+        config = StackConfig.model_validate(project)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}:\n{format_validation_error(exc, prefix=f'{PROJECT}:')}") from exc
+    return config, providers, frozenset(secrets | (SECRET_FIELDS & set(project)))
+
+
+def stack_path(name: str, stacks_dir: Path | None = None) -> Path:
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
+        raise ConfigError(f"invalid stack name {name!r}")
+    return (stacks_dir or STACKS_DIR) / f"Pulumi.{name}.yaml"
+
+
+def available_stacks(stacks_dir: Path | None = None) -> list[str]:
+    directory = stacks_dir or STACKS_DIR
+    return sorted(p.name[len("Pulumi.") : -len(".yaml")] for p in directory.glob("Pulumi.*.yaml"))
+
+
+def load_stack(name: str, stacks_dir: Path | None = None) -> StackFile:
+    """Read and validate ``stacks/Pulumi.<name>.yaml``."""
+    path = stack_path(name, stacks_dir)
+    if not path.is_file():
+        known = ", ".join(available_stacks(stacks_dir)) or "none"
+        raise ConfigError(f"stack {name!r}: {path} does not exist (known stacks: {known})")
+    try:
+        document = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(document, dict) or not isinstance(document.get("config"), dict):
+        raise ConfigError(f"{path}: expected a top-level `config:` mapping")
+    extra = sorted(set(document) - {"config", "secretsprovider", "encryptedkey", "encryptionsalt"})
+    if extra:
+        raise ConfigError(f"{path}: unknown top-level key(s) {', '.join(extra)}")
+    config, providers, secrets = parse_stack_mapping(document["config"], source=str(path))
+    return StackFile(name, path, config, providers, secrets)
+
+
+def from_pulumi() -> StackConfig:
+    """Read the stack through the Pulumi runtime (inside `pulumi up` / mocks)."""
+    import pulumi
+
+    cfg = pulumi.Config(PROJECT)
+    raw: dict[str, Any] = {}
+    for field in StackConfig.model_fields:
+        key = config_key(field)
+        # Secret values come back in plaintext here; components must wrap them
+        # with pulumi.Output.secret before they reach any resource input.
+        value = cfg.get(key)
+        if value is not None:
+            raw[key] = value
+    config, _, _ = parse_stack_mapping(raw, source=f"stack {pulumi.get_stack()}")
+    return config
+
+
+def masked_dump(config: StackConfig) -> dict[str, Any]:
+    """The resolved config as plain data, secrets replaced by a mask (for `config show`)."""
+    data = config.model_dump(mode="json")
+    for field in SECRET_FIELDS:
+        if data.get(field) is not None:
+            data[field] = SECRET_MASK
+    return {config_key(k): v for k, v in data.items()}
+
+
+def render_server_config(
+    config: StackConfig,
+    model_path: str = f"{MODEL_CACHE_DIR}/target",
+    draft_path: str | None = f"{MODEL_CACHE_DIR}/draft",
+    host: str = "0.0.0.0",
+    kv_cache_bytes: int | None = None,
+    api_keys_file: str | None = None,
+    weights_uri: str | None = None,
+) -> ServerConfig:
+    """The server's config file for this stack: the single place the two schemas meet."""
+    spec = config.speculative
+    use_draft = spec.enabled and spec.method == "draft" and config.draft is not None
+    data = {
+        "service": {
+            "host": host,
+            "port": config.service.port,
+            "served_model_name": config.model.name,
+            "metrics_require_auth": config.service.metrics_require_auth,
+            "drain_grace_s": config.service.drain_grace_s,
+            "api_keys_file": api_keys_file,
+            "weights_uri": weights_uri,
+        },
+        "model": {
+            "path": model_path,
+            "dtype": config.model.dtype,
+            "max_memory_utilization": config.max_memory_utilization,
+            "kv_cache_bytes": kv_cache_bytes,
+        },
+        "scheduler": config.scheduler.model_dump(),
+        "speculative": {
+            "enabled": spec.enabled,
+            "method": spec.method,
+            "draft_model": draft_path if use_draft else None,
+            "num_draft_tokens": spec.num_draft_tokens,
+            "adaptive": spec.adaptive,
+        },
+    }
+    return ServerConfig.model_validate(data)

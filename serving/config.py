@@ -1,0 +1,183 @@
+"""The server's configuration file: its shape, validation and environment overrides.
+
+The file mirrors the deployment guide (step 3)::
+
+    service:     {host: 0.0.0.0, port: 8000}
+    model:       {path: /data/models/target, dtype: bf16, max_memory_utilization: 0.85}
+    scheduler:   {max_concurrency: 64, max_input_len: 4096, max_output_len: 1024,
+                  max_queue: 128, request_timeout_s: 60}
+    speculative: {enabled: true, method: draft, draft_model: /data/models/draft,
+                  num_draft_tokens: 4, adaptive: true}
+
+Operators never write it by hand for a deployment: ``infra.config`` renders it
+from the stack file. The sections here are also embedded in the stack schema,
+so every limit is defined once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ENV_PREFIX = "SPECDEPLOY__"
+
+Dtype = Literal["fp32", "fp16", "bf16"]
+
+
+class StrictModel(BaseModel):
+    """Unknown keys are errors: a misspelt limit must never be silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServiceSection(StrictModel):
+    host: str = Field("0.0.0.0", description="Address the server listens on; prefer a private address.")
+    port: int = Field(8000, ge=1, le=65535, description="TCP port of the HTTP API.")
+    served_model_name: str = Field(
+        "default", min_length=1, description="Model id clients send in `model` and see in /v1/models."
+    )
+    api_keys_env: str = Field(
+        "SPECDEPLOY_API_KEYS",
+        description="Environment variable holding API keys (`id:key[:rpm]`, comma separated).",
+    )
+    api_keys_file: str | None = Field(
+        None, description="File mounted from a secret store with one `id:key[:rpm]` per line."
+    )
+    metrics_require_auth: bool = Field(False, description="Require an API key for GET /metrics.")
+    max_body_bytes: int = Field(1_048_576, ge=1024, description="Largest accepted request body (413 above).")
+    drain_grace_s: float = Field(
+        30.0, gt=0, le=3600, description="After SIGTERM, how long in-flight requests may run before exit."
+    )
+    weights_uri: str | None = Field(
+        None, description="If set, the server pulls and verifies this model version into model.path at start."
+    )
+
+
+class ModelSection(StrictModel):
+    path: str = Field(..., min_length=1, description="Directory with config.json, safetensors and tokenizer.")
+    dtype: Dtype = Field("bf16", description="Weight and activation precision.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="`auto` = CUDA when present.")
+    max_memory_utilization: float = Field(
+        0.85, gt=0.1, le=0.95, description="Share of GPU memory the server may use (weights + KV cache)."
+    )
+    kv_cache_bytes: int | None = Field(
+        None, gt=0, description="Explicit KV cache budget in bytes (CPU, or to override the GPU sizing)."
+    )
+    max_model_len: int | None = Field(
+        None, gt=0, description="Context limit; default max_input_len + max_output_len."
+    )
+
+
+class SchedulerSection(StrictModel):
+    max_concurrency: int = Field(64, ge=1, le=4096, description="Requests decoded together at most.")
+    max_input_len: int = Field(4096, ge=1, description="Longest accepted prompt, in tokens (400 above).")
+    max_output_len: int = Field(1024, ge=1, description="Largest max_tokens a request may ask for.")
+    max_queue: int = Field(128, ge=0, description="Requests waiting beyond max_concurrency (429 above).")
+    request_timeout_s: float = Field(60.0, gt=0, le=3600, description="End-to-end limit per request (504).")
+    max_batched_tokens: int = Field(
+        2048, ge=16, description="Token budget of one engine step (prefill chunks + decodes + drafts)."
+    )
+    kv_block_size: int = Field(16, ge=1, le=256, description="Tokens per KV cache block.")
+
+
+class SpeculativeSection(StrictModel):
+    enabled: bool = Field(False, description="Turn speculative decoding on.")
+    method: Literal["draft", "ngram"] = Field("draft", description="Proposer: a draft model or n-gram lookup.")
+    draft_model: str | None = Field(None, description="Directory of the draft model (method draft).")
+    num_draft_tokens: int = Field(4, ge=1, le=16, description="k: draft tokens proposed per step (max).")
+    adaptive: bool = Field(True, description="Choose k per step from measured cost and acceptance (0 allowed).")
+    ngram_min: int = Field(1, ge=1, le=8, description="Shortest suffix matched by the n-gram proposer.")
+    ngram_max: int = Field(4, ge=1, le=16, description="Longest suffix matched by the n-gram proposer.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SpeculativeSection:
+        if self.enabled and self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative.draft_model is required when speculative.method is 'draft'")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(
+                f"speculative.ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})"
+            )
+        return self
+
+
+class ServerConfig(StrictModel):
+    service: ServiceSection = ServiceSection()
+    model: ModelSection
+    scheduler: SchedulerSection = SchedulerSection()
+    speculative: SpeculativeSection = SpeculativeSection()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model.max_model_len or self.scheduler.max_input_len + self.scheduler.max_output_len
+
+    @model_validator(mode="after")
+    def _limits_fit(self) -> ServerConfig:
+        if self.model.max_model_len is not None and self.model.max_model_len < self.scheduler.max_input_len:
+            raise ValueError(
+                f"model.max_model_len ({self.model.max_model_len}) is below "
+                f"scheduler.max_input_len ({self.scheduler.max_input_len})"
+            )
+        return self
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+class ConfigError(ValueError):
+    """A configuration file that cannot be used; the message names the key."""
+
+
+def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
+    """One line per problem, each naming the dotted key and, for choices, the allowed values."""
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(part) for part in err["loc"])
+        key = f"{prefix}{key}" if key else prefix.rstrip(".") or "(top level)"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif err["type"] == "literal_error":
+            expected = err.get("ctx", {}).get("expected", "")
+            msg = f"invalid value {err.get('input')!r}; allowed: {expected}"
+        elif msg.startswith("Value error, "):
+            msg = msg.removeprefix("Value error, ")
+        lines.append(f"{key}: {msg}")
+    return "\n".join(lines)
+
+
+def _apply_env_overrides(data: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    """``SPECDEPLOY__SCHEDULER__MAX_QUEUE=32`` sets scheduler.max_queue; values are parsed as YAML."""
+    for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        path = [part.lower() for part in name[len(ENV_PREFIX) :].split("__")]
+        if len(path) != 2 or not all(path):
+            raise ConfigError(f"{name}: expected {ENV_PREFIX}<SECTION>__<KEY>")
+        section = data.setdefault(path[0], {})
+        if not isinstance(section, dict):
+            raise ConfigError(f"{name}: section {path[0]!r} is not a mapping")
+        section[path[1]] = yaml.safe_load(raw)
+    return data
+
+
+def load_server_config(path: str | Path, environ: Mapping[str, str] | None = None) -> ServerConfig:
+    """Read, override from the environment, and validate a server config file."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{path}: no such file") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    data = _apply_env_overrides(data, os.environ if environ is None else environ)
+    try:
+        return ServerConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{path}:\n{format_validation_error(exc)}") from exc

@@ -1,0 +1,36 @@
+"""Names of every Prometheus series the server exports.
+
+The alert rules (infra/alerts.py), the Grafana dashboard and the launch
+validation query these names; a test cross-checks them against the /metrics
+page of a running server, so a rename here breaks loudly everywhere.
+"""
+
+PREFIX = "specdeploy"
+
+# Counters (exported with a `_total` suffix by prometheus-client).
+REQUESTS = f"{PREFIX}_requests"  # labels: endpoint, status (HTTP code)
+PROMPT_TOKENS = f"{PREFIX}_prompt_tokens"
+GENERATION_TOKENS = f"{PREFIX}_generation_tokens"
+PREEMPTIONS = f"{PREFIX}_preemptions"
+SPEC_DRAFTS = f"{PREFIX}_spec_drafts"  # verify steps that carried at least one draft token
+SPEC_DRAFT_TOKENS = f"{PREFIX}_spec_draft_tokens"
+SPEC_ACCEPTED_TOKENS = f"{PREFIX}_spec_accepted_tokens"
+
+# Histograms (seconds).
+TTFT = f"{PREFIX}_time_to_first_token_seconds"
+TPOT = f"{PREFIX}_time_per_output_token_seconds"
+INTER_TOKEN = f"{PREFIX}_inter_token_latency_seconds"
+E2E = f"{PREFIX}_e2e_request_latency_seconds"
+QUEUE_TIME = f"{PREFIX}_request_queue_time_seconds"
+STEP_TIME = f"{PREFIX}_engine_step_seconds"
+
+# Gauges.
+RUNNING = f"{PREFIX}_requests_running"
+WAITING = f"{PREFIX}_requests_waiting"
+KV_BLOCKS_USED = f"{PREFIX}_kv_blocks_used"
+KV_BLOCKS_TOTAL = f"{PREFIX}_kv_blocks_total"
+READY = f"{PREFIX}_ready"
+RSS_BYTES = f"{PREFIX}_process_resident_memory_bytes"
+GPU_MEMORY_USED = f"{PREFIX}_gpu_memory_used_bytes"
+GPU_MEMORY_TOTAL = f"{PREFIX}_gpu_memory_total_bytes"
+GPU_UTILIZATION = f"{PREFIX}_gpu_utilization_ratio"
