@@ -1,0 +1,150 @@
+"""Push a version directory to a store and pull it back, verified, into a local cache.
+
+push: every file in parallel (multipart for large ones), the manifest last, so a reader that
+sees a manifest sees a complete version. pull: into a temporary directory beside the target,
+verify every hash, then rename into place; any failure removes the temporary directory, so the
+cache never holds a partial version.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from serving.weights.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    WeightsError,
+    build_manifest,
+    load_manifest,
+    verify_dir,
+)
+from serving.weights.store import open_store
+
+logger = logging.getLogger(__name__)
+
+PARALLEL_FILES = 4
+
+
+class TransferProgress(Protocol):
+    """What the CLI's progress bar implements; callbacks may come from worker threads."""
+
+    def begin(self, description: str, total_bytes: int) -> None: ...
+
+    def advance(self, nbytes: int) -> None: ...
+
+
+class _NoProgress:
+    def begin(self, description: str, total_bytes: int) -> None:
+        pass
+
+    def advance(self, nbytes: int) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class PullResult:
+    path: Path
+    manifest: Manifest
+    fetched: bool  # False: the verified version was already in place
+
+
+def push(
+    directory: Path,
+    uri: str,
+    endpoint_url: str | None = None,
+    progress: TransferProgress | None = None,
+) -> Manifest:
+    progress = progress or _NoProgress()
+    progress.begin("hashing", _dir_bytes(directory))
+    manifest = build_manifest(directory, progress.advance)
+    store = open_store(uri, endpoint_url)
+    progress.begin("uploading", manifest.total_bytes)
+    with ThreadPoolExecutor(max_workers=PARALLEL_FILES) as pool:
+        futures = [
+            pool.submit(store.upload, directory / entry.path, entry.path, progress.advance) for entry in manifest.files
+        ]
+        for future in futures:
+            future.result()
+    store.put_bytes(MANIFEST_NAME, manifest.to_json().encode())
+    logger.info("pushed %d files (%d bytes) to %s", len(manifest.files), manifest.total_bytes, uri)
+    return manifest
+
+
+def pull(
+    uri: str,
+    target: Path,
+    endpoint_url: str | None = None,
+    progress: TransferProgress | None = None,
+) -> PullResult:
+    progress = progress or _NoProgress()
+    store = open_store(uri, endpoint_url)
+    remote = Manifest.from_json(store.get_bytes(MANIFEST_NAME), source=f"{uri.rstrip('/')}/{MANIFEST_NAME}")
+    if _already_verified(target, remote, progress):
+        logger.info("%s already holds the verified version from %s", target, uri)
+        return PullResult(target, remote, fetched=False)
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.partial-"))
+    try:
+        progress.begin("downloading", remote.total_bytes)
+        with ThreadPoolExecutor(max_workers=PARALLEL_FILES) as pool:
+            futures = [
+                pool.submit(store.download, entry.path, staging / entry.path, progress.advance)
+                for entry in remote.files
+            ]
+            for future in futures:
+                future.result()
+        progress.begin("verifying", remote.total_bytes)
+        verify_dir(staging, remote, progress.advance)
+        (staging / MANIFEST_NAME).write_text(remote.to_json())
+        _swap_into_place(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.info("pulled %d files (%d bytes) from %s into %s", len(remote.files), remote.total_bytes, uri, target)
+    return PullResult(target, remote, fetched=True)
+
+
+def ensure_local(path: Path, source_uri: str | None = None, endpoint_url: str | None = None) -> Manifest:
+    """What the server runs at start: pull ``source_uri`` into ``path`` if given, else verify ``path``."""
+    if source_uri:
+        return pull(source_uri, path, endpoint_url).manifest
+    return verify_dir(path)
+
+
+def _already_verified(target: Path, remote: Manifest, progress: TransferProgress) -> bool:
+    if not (target / MANIFEST_NAME).is_file():
+        return False
+    try:
+        if load_manifest(target) != remote:
+            return False
+        progress.begin("verifying cached", remote.total_bytes)
+        verify_dir(target, remote, progress.advance)
+    except WeightsError as exc:
+        logger.warning("cached version at %s is not valid, pulling again: %s", target, exc)
+        return False
+    return True
+
+
+def _swap_into_place(staging: Path, target: Path) -> None:
+    """Rename ``staging`` to ``target``; an existing (stale) ``target`` is moved aside first."""
+    if not target.exists():
+        os.rename(staging, target)
+        return
+    retired = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.old-"))
+    os.rename(target, retired / "version")
+    os.rename(staging, target)
+    shutil.rmtree(retired, ignore_errors=True)
+
+
+def _dir_bytes(directory: Path) -> int:
+    if not directory.is_dir():
+        raise WeightsError(f"{directory}: not a directory")
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST_NAME)
