@@ -19,6 +19,7 @@ from serving import __version__
 # Modules under infra.cli that contribute subcommands, in help order.
 COMMAND_MODULES: tuple[str, ...] = (
     "config_cmd",
+    "weights_cmd",
 )
 
 
