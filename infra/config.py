@@ -80,6 +80,9 @@ class ServiceSpec(StrictModel):
     port: int = Field(8000, ge=1, le=65535, description="Server port on the host or in the pod.")
     drain_grace_s: float = Field(30.0, gt=0, le=3600, description="In-flight grace period after SIGTERM.")
     metrics_require_auth: bool = Field(False, description="Require an API key for /metrics.")
+    max_memory_utilization: float = Field(
+        0.85, gt=0.1, le=0.95, description="GPU memory share for weights + KV (guide: 0.85-0.92)."
+    )
 
 
 class FleetSpec(StrictModel):
@@ -271,9 +274,6 @@ class StackConfig(StrictModel):
     speculative: SpeculativeSpec = Field(default_factory=SpeculativeSpec, description="Speculation.")
     scheduler: SchedulerSection = Field(default_factory=SchedulerSection, description="Server limits.")
     service: ServiceSpec = Field(default_factory=ServiceSpec, description="Server process settings.")
-    max_memory_utilization: float = Field(
-        0.85, gt=0.1, le=0.95, description="GPU memory share for weights + KV (guide: 0.85-0.92)."
-    )
     fleet: FleetSpec = Field(default_factory=FleetSpec, description="AWS instances and autoscaling.")
     access: AccessSpec = Field(default_factory=AccessSpec, description="Network exposure and TLS.")
     alerting: AlertingSpec = Field(default_factory=AlertingSpec, description="Alarm targets, thresholds.")
@@ -321,9 +321,10 @@ class StackConfig(StrictModel):
 FleetSpec.model_rebuild()
 
 # Stack-file key (camelCase, as Pulumi config keys are written) -> StackConfig field.
-_KEY_ALIASES = {"apiKeys": "api_keys", "maxMemoryUtilization": "max_memory_utilization"}
+_KEY_ALIASES = {"apiKeys": "api_keys"}
 _FIELD_KEYS = {field: key for key, field in _KEY_ALIASES.items()}
 SECRET_FIELDS = frozenset({"api_keys"})
+_OPTIONAL_FIELDS = frozenset(name for name, f in StackConfig.model_fields.items() if f.default is None)
 SECRET_MASK = "[secret]"
 
 
@@ -376,7 +377,10 @@ def parse_stack_mapping(raw: Mapping[str, Any], source: str = "stack") -> tuple[
         if isinstance(value, Mapping) and set(value) == {"secure"}:
             secrets.add(field)
             value = SECRET_MASK
-        project[field] = _parse_value(value)
+        value = _parse_value(value)
+        if value in ({}, "", None) and field in _OPTIONAL_FIELDS:
+            continue  # Pulumi.yaml declares optional sections with an empty default
+        project[field] = value
     unknown = sorted(set(project) - set(StackConfig.model_fields))
     if unknown:
         allowed = ", ".join(f"{PROJECT}:{config_key(f)}" for f in StackConfig.model_fields)
@@ -471,7 +475,7 @@ def render_server_config(
         "model": {
             "path": model_path,
             "dtype": config.model.dtype,
-            "max_memory_utilization": config.max_memory_utilization,
+            "max_memory_utilization": config.service.max_memory_utilization,
             "kv_cache_bytes": kv_cache_bytes,
         },
         "scheduler": config.scheduler.model_dump(),

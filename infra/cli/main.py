@@ -41,6 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def registered_commands(parser: argparse.ArgumentParser | None = None) -> set[str]:
+    """Names of the top-level subcommands this build provides."""
+    parser = parser or build_parser()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return set(action.choices)
+    return set()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -1,0 +1,38 @@
+# make demo / make test / make lint — each creates .venv and installs what it needs.
+# Installing is skipped while pyproject.toml is unchanged (the stamp file below).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+# Default test run: everything except the long soak and GPU-only tests.
+PYTEST_ARGS ?= -m "not soak and not gpu"
+
+.PHONY: demo test lint soak gpu-test bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch==2.13.0 is pinned in pyproject: pip takes the CPU wheel from the local wheel cache.
+	$(BIN)/python -m pip install --quiet -e '.[serve,infra,dev]'
+	@touch $@
+
+test: $(STAMP)
+	# pytest exits 5 when it collects no tests: make treats that as a failure, as it must.
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check infra serving tests
+	$(BIN)/mypy
+
+demo: $(STAMP)
+	$(BIN)/python -m infra.demo
+
+soak: $(STAMP)
+	$(BIN)/pytest -m soak
+
+gpu-test: $(STAMP)
+	$(BIN)/pytest -m gpu
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .specdeploy
