@@ -1,0 +1,410 @@
+"""Capacity plan: translate the model and the server limits into GPU memory, then pick hardware.
+
+The formulas are the guide's (guide-planning-launch-operations, section 3):
+
+- weights  = parameters x bytes per parameter (fp16/bf16 2, int8 1, int4 0.5)
+- KV cache per token = 2 (K and V) x layers x kv_heads x head_dim x bytes
+- KV peak  = KV per token x peak context x max concurrency ("max concurrency x peak context")
+- total    = weights (+ draft weights and draft KV) + KV peak + activations + runtime overhead,
+             and 15-20 % headroom on top
+- batch-1 decode ceiling ~= memory bandwidth / weight bytes (every token reads all weights)
+
+Dimensions come from the model's config.json when it can be read, else from the stack file.
+The plan then picks the cheapest catalogued instance type that fits (`fleet.instance_type:
+auto`) or checks the given one, and fails with the numbers and what to change otherwise.
+This module imports neither pulumi nor boto3 at top level; `specdeploy plan` starts fast.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from infra.catalog import CATALOG, CATALOG_PRICE_DATE, InstanceType, instance_names, instance_type
+from infra.config import ModelSpec, StackConfig
+
+GIB = 1024**3
+MIB = 1024**2
+
+BYTES_PER_PARAM: dict[str, float] = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "int4": 0.5}
+# The guide asks for 15-20 % headroom over the estimated peak; the plan uses the lower bound
+# because the server's own budget (max_memory_utilization) is checked separately.
+HEADROOM = 0.15
+# CUDA context, cuBLAS/attention workspaces and allocator fragmentation, measured on the
+# order of 1-2 GiB per process on A10G..H100.
+RUNTIME_OVERHEAD_BYTES = 1.5 * GIB
+# Transient tensors of one engine step, in model widths per batched token: residual and norm
+# outputs, q/k/v, attention output, the MLP gate/up/down intermediates (~3.5 widths each)
+# and chunked logits.
+ACTIVATION_WIDTHS = 16
+# Host memory must hold a copy of the weights while they are staged onto the GPU, plus the
+# server process itself.
+HOST_MEMORY_RESERVE_BYTES = 4 * GIB
+
+ConfigReader = Callable[[str], dict[str, Any] | None]
+
+
+class CapacityError(ValueError):
+    """The model does not fit (or cannot be planned); the message has the numbers and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """What the plan needs to know about one model."""
+
+    name: str
+    dtype: str
+    params: float  # parameter count
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    source: str  # "config.json" or "stack file"
+
+    @property
+    def weight_bytes(self) -> float:
+        return weight_bytes(self.params, self.dtype)
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+
+
+def weight_bytes(params: float, dtype: str) -> float:
+    """Weights = parameters x bytes per parameter."""
+    return params * BYTES_PER_PARAM[dtype]
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str) -> float:
+    """KV cache per token = 2 (K and V) x layers x (kv_heads x head_dim) x bytes per element."""
+    return 2 * num_layers * num_kv_heads * head_dim * BYTES_PER_PARAM[dtype]
+
+
+def decode_ceiling_tokens_per_s(bandwidth_gb_s: float, weight_bytes_: float) -> float:
+    """Batch-1 decode upper bound: each generated token reads every weight once."""
+    return bandwidth_gb_s * 1e9 / weight_bytes_
+
+
+def read_local_config(uri: str) -> dict[str, Any] | None:
+    """config.json of a file:// model version, or None when it is not reachable this way."""
+    if not uri.startswith("file://"):
+        return None
+    path = Path(urlparse(uri).path if uri.startswith("file:///") else uri[len("file://"):]) / "config.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def read_config_anywhere(uri: str) -> dict[str, Any] | None:
+    """config.json from file:// or s3:// (boto3, the operator's credentials); None if unreachable."""
+    local = read_local_config(uri)
+    if local is not None or not uri.startswith("s3://"):
+        return local
+    try:
+        import boto3
+        from botocore.config import Config
+
+        parsed = urlparse(uri)
+        client = boto3.client("s3", config=Config(connect_timeout=3, read_timeout=5, retries={"max_attempts": 1}))
+        key = f"{parsed.path.strip('/')}/config.json".lstrip("/")
+        body = client.get_object(Bucket=parsed.netloc, Key=key)["Body"].read()
+        data = json.loads(body)
+    except Exception:  # noqa: BLE001 - unreachable for any reason means: use the stack file
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _params_from_hf(hf: dict[str, Any]) -> float | None:
+    """Parameter count of a Llama-family config.json (embeddings, attention, gated MLP, norms)."""
+    try:
+        hidden = int(hf["hidden_size"])
+        layers = int(hf["num_hidden_layers"])
+        heads = int(hf["num_attention_heads"])
+        kv_heads = int(hf.get("num_key_value_heads", heads))
+        head_dim = int(hf.get("head_dim") or hidden // heads)
+        inter = int(hf["intermediate_size"])
+        vocab = int(hf["vocab_size"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
+    mlp = 3 * hidden * inter
+    embeddings = vocab * hidden * (1 if hf.get("tie_word_embeddings") else 2)
+    return float(layers * (attention + mlp + 2 * hidden) + embeddings + hidden)
+
+
+def model_dims(spec: ModelSpec, key: str, reader: ConfigReader = read_local_config) -> ModelDims:
+    """Dimensions of `spec` from its config.json if readable, else from the stack file (`key`.*)."""
+    hf = reader(spec.source) or {}
+    from_hf = bool(hf)
+    heads = hf.get("num_attention_heads", spec.num_attention_heads)
+    hidden = hf.get("hidden_size", spec.hidden_size)
+    layers = hf.get("num_hidden_layers", spec.num_layers)
+    kv_heads = hf.get("num_key_value_heads", spec.num_kv_heads or heads)
+    head_dim = hf.get("head_dim") or spec.head_dim or (hidden // heads if hidden and heads else None)
+    params = spec.params_b * 1e9 if spec.params_b else _params_from_hf(hf)
+    missing = [name for name, value in (
+        ("params_b", params), ("num_layers", layers), ("hidden_size", hidden),
+        ("num_kv_heads", kv_heads), ("head_dim", head_dim)) if not value]
+    if missing:
+        fields = ", ".join(f"{key}.{name}" for name in missing)
+        raise CapacityError(
+            f"capacity plan: cannot size {spec.name}: {fields} unknown and {spec.source}/config.json "
+            "is not readable; set them in the stack file"
+        )
+    assert params and layers and kv_heads and head_dim and hidden  # narrowed by `missing` above
+    return ModelDims(spec.name, spec.dtype, float(params), int(layers), int(kv_heads), int(head_dim),
+                     int(hidden), "config.json" if from_hf else "stack file")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """GPU memory one server needs, by the guide's terms. Bytes throughout."""
+
+    target: ModelDims
+    draft: ModelDims | None
+    context_tokens: int  # peak context of one request: max input + max output (+ draft lookahead)
+    concurrency: int  # requests decoded together at most
+    batched_tokens: int  # token budget of one engine step
+    weights: float
+    draft_weights: float
+    kv_per_token: float  # target + draft
+    kv_peak: float
+    activations: float
+    runtime: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.draft_weights + self.kv_peak + self.activations + self.runtime
+
+    @property
+    def required(self) -> float:
+        """Total with the guide's headroom: the GPU must have at least this much."""
+        return self.total * (1 + HEADROOM)
+
+    @property
+    def server_budget_need(self) -> float:
+        """What the server allocates inside its max_memory_utilization share."""
+        return self.weights + self.draft_weights + self.kv_peak + self.activations
+
+    @property
+    def kv_per_request(self) -> float:
+        return self.kv_per_token * self.context_tokens
+
+
+def estimate_memory(config: StackConfig, reader: ConfigReader = read_local_config) -> MemoryEstimate:
+    target = model_dims(config.model, "model", reader)
+    spec = config.speculative
+    use_draft = spec.enabled and spec.method == "draft" and config.draft is not None
+    draft = model_dims(config.draft, "draft", reader) if use_draft and config.draft else None
+    sched = config.scheduler
+    lookahead = spec.num_draft_tokens if spec.enabled else 0
+    context = sched.max_input_len + sched.max_output_len + lookahead
+    kv_per_token = target.kv_bytes_per_token + (draft.kv_bytes_per_token if draft else 0.0)
+    activations = sched.max_batched_tokens * target.hidden_size * BYTES_PER_PARAM[target.dtype] * ACTIVATION_WIDTHS
+    return MemoryEstimate(
+        target=target,
+        draft=draft,
+        context_tokens=context,
+        concurrency=sched.max_concurrency,
+        batched_tokens=sched.max_batched_tokens,
+        weights=target.weight_bytes,
+        draft_weights=draft.weight_bytes if draft else 0.0,
+        kv_per_token=kv_per_token,
+        kv_peak=kv_per_token * context * sched.max_concurrency,
+        activations=activations,
+        runtime=RUNTIME_OVERHEAD_BYTES,
+    )
+
+
+@dataclass(frozen=True)
+class Fit:
+    """How one instance type measures up against the estimate."""
+
+    instance: InstanceType
+    gpu_bytes: float
+    server_budget: float  # max_memory_utilization x GPU memory
+    problems: tuple[str, ...]
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+
+def check_fit(estimate: MemoryEstimate, instance: InstanceType, max_memory_utilization: float) -> Fit:
+    gpu = instance.gpu_memory_gib * GIB
+    budget = gpu * max_memory_utilization
+    problems = []
+    if estimate.required > gpu:
+        problems.append(f"needs {gib(estimate.required)} GiB with headroom, GPU has {gib(gpu)} GiB")
+    if estimate.server_budget_need > budget:
+        problems.append(
+            f"weights + KV + activations {gib(estimate.server_budget_need)} GiB exceed the server's "
+            f"budget {gib(budget)} GiB (max_memory_utilization {max_memory_utilization:g})"
+        )
+    host_need = estimate.weights + estimate.draft_weights + HOST_MEMORY_RESERVE_BYTES
+    if host_need > instance.memory_gib * GIB:
+        problems.append(f"host memory {instance.memory_gib:g} GiB < {gib(host_need)} GiB to stage the weights")
+    return Fit(instance, gpu, budget, tuple(problems))
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    stack_instance_type: str  # as written in the stack ("auto" or a type)
+    estimate: MemoryEstimate
+    fit: Fit
+    min_size: int
+    max_size: int
+    max_memory_utilization: float
+    candidates: tuple[Fit, ...] = field(default=())
+
+    @property
+    def instance(self) -> InstanceType:
+        return self.fit.instance
+
+    @property
+    def decode_ceiling(self) -> float:
+        return decode_ceiling_tokens_per_s(self.instance.bandwidth_gb_s, self.estimate.weights)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens of KV cache the server's budget holds once weights and activations are in."""
+        e = self.estimate
+        free = self.fit.server_budget - e.weights - e.draft_weights - e.activations
+        return max(0, int(free // e.kv_per_token))
+
+    def as_dict(self) -> dict[str, Any]:
+        e = self.estimate
+        return {
+            "instance_type": self.instance.name,
+            "chosen": "auto" if self.stack_instance_type == "auto" else "given",
+            "gpu": self.instance.gpu,
+            "gpu_memory_gib": self.instance.gpu_memory_gib,
+            "weights_gib": round(e.weights / GIB, 2),
+            "draft_weights_gib": round(e.draft_weights / GIB, 2),
+            "kv_per_token_mib": round(e.kv_per_token / MIB, 4),
+            "kv_peak_gib": round(e.kv_peak / GIB, 2),
+            "required_gib": round(e.required / GIB, 2),
+            "decode_ceiling_tokens_per_s": round(self.decode_ceiling, 1),
+            "hourly_cost_usd": [round(self.min_size * self.instance.price_per_hour, 2),
+                                round(self.max_size * self.instance.price_per_hour, 2)],
+        }
+
+    def render(self) -> str:
+        """The plan as text, the way `specdeploy plan` prints it."""
+        e, inst = self.estimate, self.instance
+        lines = [
+            f"model        {e.target.name} ({e.target.dtype}, {e.target.params / 1e9:.2f}B params, "
+            f"{e.target.num_layers} layers, {e.target.num_kv_heads}x{e.target.head_dim} KV; from {e.target.source})",
+        ]
+        if e.draft:
+            lines.append(
+                f"draft        {e.draft.name} ({e.draft.params / 1e9:.2f}B params, {e.draft.num_layers} layers)"
+            )
+        lines += [
+            f"weights      {gib(e.weights)} GiB" + (f" + draft {gib(e.draft_weights)} GiB" if e.draft else ""),
+            f"KV cache     {e.kv_per_token / MIB:.3f} MiB/token x {e.context_tokens} tokens = "
+            f"{gib(e.kv_per_request)} GiB/request; x {e.concurrency} concurrent = {gib(e.kv_peak)} GiB peak",
+            f"activations  {gib(e.activations)} GiB ({e.batched_tokens} tokens/step); runtime {gib(e.runtime)} GiB",
+            f"total        {gib(e.total)} GiB; with {HEADROOM:.0%} headroom {gib(e.required)} GiB per GPU",
+            f"instance     {inst.name} ({'cheapest that fits' if self.stack_instance_type == 'auto' else 'given'}): "
+            f"{inst.gpu} {inst.gpu_memory_gib:g} GiB, {inst.bandwidth_gb_s:g} GB/s, ${inst.price_per_hour:.3f}/h",
+            f"server       budget {gib(self.fit.server_budget)} GiB (max_memory_utilization "
+            f"{self.max_memory_utilization:g}); KV room {self.kv_capacity_tokens} tokens",
+            f"decode       batch-1 ceiling ~{self.decode_ceiling:.0f} tokens/s (bandwidth / weight bytes)",
+            f"fleet        {self.min_size}..{self.max_size} instances: ${self.min_size * inst.price_per_hour:.2f}"
+            f"..${self.max_size * inst.price_per_hour:.2f}/h on demand (prices {CATALOG_PRICE_DATE}, us-east-1)",
+        ]
+        if inst.gpus > 1:
+            lines.append(f"note         the engine serves from one GPU; {inst.gpus - 1} of {inst.gpus} GPUs stay idle")
+        return "\n".join(lines)
+
+
+def gib(value: float) -> str:
+    return f"{value / GIB:.1f}"
+
+
+def _max_concurrency_for(estimate: MemoryEstimate, instance: InstanceType, mmu: float) -> int:
+    """Largest max_concurrency that would fit this type, all else equal (0 if none does)."""
+    best = 0
+    for concurrency in range(1, estimate.concurrency + 1):
+        trial = replace(estimate, concurrency=concurrency, kv_peak=estimate.kv_per_request * concurrency)
+        if not check_fit(trial, instance, mmu).fits:
+            break
+        best = concurrency
+    return best
+
+
+def _does_not_fit(config: StackConfig, estimate: MemoryEstimate, fits: list[Fit], given: str | None) -> CapacityError:
+    mmu = config.service.max_memory_utilization
+    e = estimate
+    pool = [f for f in fits if f.instance.name == given] if given else fits
+    biggest = max(pool, key=lambda f: (f.gpu_bytes, -f.instance.price_per_hour))
+    where = f"fleet.instance_type {given}" if given else f"any catalogued type (largest: {biggest.instance.name})"
+    lines = [
+        f"capacity plan: {e.target.name} does not fit {where}",
+        f"  weights {gib(e.weights)} GiB + draft {gib(e.draft_weights)} GiB + KV peak {gib(e.kv_peak)} GiB "
+        f"({e.kv_per_token / MIB:.3f} MiB/token x {e.context_tokens} tokens x {e.concurrency} requests) "
+        f"+ activations {gib(e.activations)} GiB + runtime {gib(e.runtime)} GiB = {gib(e.total)} GiB; "
+        f"x{1 + HEADROOM:g} headroom = {gib(e.required)} GiB",
+    ]
+    lines += [f"  {biggest.instance.name}: {problem}" for problem in biggest.problems]
+    lines.append("  to fit, change one of:")
+    tiers: dict[float, tuple[InstanceType, int]] = {}  # GPU memory size -> cheapest type that fits, concurrency
+    for f in sorted(pool, key=lambda f: f.instance.price_per_hour):
+        fix = _max_concurrency_for(e, f.instance, mmu)
+        if fix and f.instance.gpu_memory_gib not in tiers:
+            tiers[f.instance.gpu_memory_gib] = (f.instance, fix)
+    best = 0
+    for inst, fix in sorted(tiers.values(), key=lambda t: t[0].price_per_hour):
+        if fix <= best:
+            continue  # a cheaper type already allows more
+        best = fix
+        lines.append(f"    - scheduler.max_concurrency {e.concurrency} -> {fix} "
+                     f"(fits {inst.name}, ${inst.price_per_hour:.2f}/h)")
+    lines.append(f"    - scheduler.max_input_len / max_output_len (peak context {e.context_tokens} tokens)")
+    if e.draft:
+        lines.append("    - speculative.method ngram (drops the draft model's weights and KV cache)")
+    lines.append("    - a smaller or quantized model (model.dtype; weights are the fixed cost)")
+    if given:
+        ok = [f.instance.name for f in sorted(fits, key=lambda f: f.instance.price_per_hour) if f.fits]
+        if ok:
+            lines.append(f"    - fleet.instance_type auto (cheapest that fits: {ok[0]})")
+    else:
+        lines.append("    - the bundled engine serves one model from one GPU; it does not shard across GPUs")
+    return CapacityError("\n".join(lines))
+
+
+def plan(config: StackConfig, reader: ConfigReader = read_local_config) -> CapacityPlan:
+    """The capacity plan of a stack; raises CapacityError when nothing (or the given type) fits."""
+    estimate = estimate_memory(config, reader)
+    mmu = config.service.max_memory_utilization
+    fits = [check_fit(estimate, item, mmu) for item in CATALOG]
+    requested = config.fleet.instance_type
+    if requested == "auto":
+        ok = sorted((f for f in fits if f.fits), key=lambda f: (f.instance.price_per_hour, f.instance.name))
+        if not ok:
+            raise _does_not_fit(config, estimate, fits, None)
+        chosen = ok[0]
+    else:
+        if instance_type(requested) is None:
+            raise CapacityError(
+                f"fleet.instance_type {requested!r} is not in the instance catalog (infra/catalog.py); "
+                f"use auto or one of: {', '.join(instance_names())}"
+            )
+        chosen = next(f for f in fits if f.instance.name == requested)
+        if not chosen.fits:
+            raise _does_not_fit(config, estimate, fits, requested)
+    return CapacityPlan(requested, estimate, chosen, config.fleet.min_size, config.fleet.max_size, mmu,
+                        tuple(sorted(fits, key=lambda f: f.instance.price_per_hour)))
+
+
+def weight_cache_gib(estimate: MemoryEstimate) -> int:
+    """Disk the weight cache needs: both versions of target and draft during a model swap."""
+    return math.ceil(2 * (estimate.weights + estimate.draft_weights) / GIB)
