@@ -1,0 +1,31 @@
+"""The bundled demo model pair: a small Llama target and its distilled draft, trained offline on
+the Python standard library, plus a held-out prompt set for benchmarks and the demo.
+
+Other parts of specdeploy import only the helpers below; nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from serving.demo.prompts import CATEGORIES, Prompt, load_prompts
+
+DEMO_DIR = Path(__file__).resolve().parent
+MODELS_DIR = DEMO_DIR / "models"
+
+__all__ = ["CATEGORIES", "DEMO_DIR", "Prompt", "draft_path", "load_prompts", "target_path", "tokenizer_path"]
+
+
+def target_path() -> Path:
+    """Directory of the bundled target model (HF format, tokenizer included)."""
+    return MODELS_DIR / "target"
+
+
+def draft_path() -> Path:
+    """Directory of the bundled draft model (HF format, same tokenizer as the target)."""
+    return MODELS_DIR / "draft"
+
+
+def tokenizer_path() -> Path:
+    """Directory of the standalone demo tokenizer (also copied into both model directories)."""
+    return DEMO_DIR / "tokenizer"
