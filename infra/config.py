@@ -256,6 +256,15 @@ class KubernetesSpec(StrictModel):
     ingress_namespace: str = Field("ingress-nginx", description="Namespace of the ingress controller.")
     min_replicas: int = Field(1, ge=0, description="Baseline replicas per active slot.")
     max_replicas: int = Field(4, ge=1, description="Upper bound of the autoscaler.")
+    queue_target_per_pod: float = Field(
+        8.0, gt=0, description="Autoscaler target: average waiting requests per pod (specdeploy_requests_waiting)."
+    )
+    scale_down_stabilization_s: int = Field(
+        600, ge=0, le=3600, description="Autoscaler scale-down stabilisation window; GPU pods are slow to replace."
+    )
+    startup_budget_s: int | None = Field(
+        None, ge=60, description="Startup probe budget for weight load and warm-up; default: from model size."
+    )
 
 
 class LocalSpec(StrictModel):
