@@ -1,0 +1,201 @@
+"""The asyncio face of the engine: a step loop in its own thread, per-request output streams.
+
+The event loop never runs a forward. Requests and aborts travel to the loop thread through a command
+queue; outputs travel back with `call_soon_threadsafe` into one `asyncio.Queue` per request. An exception
+in the step loop is recorded (`healthy` turns False, `error` holds it), logged, and raised in every
+open stream; the engine then refuses new work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from serving.engine.config import EngineConfig
+from serving.engine.engine import LLMEngine
+from serving.engine.types import EngineDeadError, EngineStats, GenerationRequest, RequestOutput, RequestRejected
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: collections.deque[tuple[str, Any]] = collections.deque()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._pending_adds = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        """Load weights and build the engine (blocking: call it from a worker thread or the lifespan)."""
+        return cls(LLMEngine.from_config(config))
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run_loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Stop the loop; requests still in flight end with finish_reason "abort"."""
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+        for request_id in list(self._streams):
+            self._deliver_error(request_id, EngineDeadError("engine stopped"))
+
+    shutdown = stop
+
+    @property
+    def healthy(self) -> bool:
+        """False once the step loop has failed or stopped."""
+        return self._error is None and not self._stopping and (self._thread is None or self._thread.is_alive())
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    # ---- requests -----------------------------------------------------------------------------------
+
+    def check_admission(self, request: GenerationRequest) -> None:
+        """Raise RequestRejected: kind "invalid"/"never_fits" (400) or "queue_full"/"unavailable" (429/503)."""
+        if not self.healthy:
+            raise RequestRejected("unavailable", f"engine is not running ({self._error or 'stopped'})")
+        self.engine.check_admission(request)
+        queued = len(self.engine.scheduler.waiting) + self._pending_adds
+        if queued >= self.engine.config.max_queue:
+            raise RequestRejected("queue_full", f"{queued} requests already queued")
+        if request.request_id in self._streams:
+            raise RequestRejected("invalid", f"request_id {request.request_id!r} is already running")
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs; closing the iterator early (client gone) aborts the request."""
+        self.check_admission(request)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request.request_id] = stream
+        self._pending_adds += 1
+        self._submit("add", request)
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    if isinstance(item, (EngineDeadError, RequestRejected)):
+                        raise item
+                    raise EngineDeadError(f"engine loop failed: {item!r}") from item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request.request_id, None)
+            if not finished:
+                self._submit("abort", (request.request_id, None))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; returns once its blocks are back in the pool."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._submit("abort", (request_id, done))
+        if self._thread is not None and self._thread.is_alive():
+            await done
+
+    def _submit(self, kind: str, payload: Any) -> None:
+        self._commands.append((kind, payload))
+        self._wakeup.set()
+
+    # ---- the loop thread ----------------------------------------------------------------------------
+
+    def _run_loop(self) -> None:
+        try:
+            while not self._stopping:
+                self._apply_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait(_IDLE_WAIT_S)
+                    self._wakeup.clear()
+                    continue
+                for output in self.engine.step():
+                    self._deliver(output)
+            self._abort_all()
+        except BaseException as exc:  # recorded and surfaced, never swallowed
+            log.exception("engine step loop failed")
+            self._error = exc
+            for request_id in list(self._streams):
+                self._deliver_error(request_id, exc)
+            self._fail_pending_commands()
+
+    def _apply_commands(self) -> None:
+        while self._commands:
+            kind, payload = self._commands.popleft()
+            if kind == "add":
+                self._pending_adds -= 1
+                try:
+                    self.engine.add_request(payload)
+                except RequestRejected as exc:  # the queue filled between check and add
+                    self._deliver_error(payload.request_id, exc)
+            elif kind == "abort":
+                request_id, done = payload
+                output = self.engine.abort_request(request_id)
+                if output is not None:
+                    self._deliver(output)
+                if done is not None:
+                    done.get_loop().call_soon_threadsafe(_resolve, done)
+
+    def _abort_all(self) -> None:
+        self._apply_commands()
+        for request_id in list(self.engine.scheduler.requests):
+            output = self.engine.abort_request(request_id)
+            if output is not None:
+                self._deliver(output)
+
+    def _fail_pending_commands(self) -> None:
+        while self._commands:
+            kind, payload = self._commands.popleft()
+            if kind == "abort" and payload[1] is not None:
+                payload[1].get_loop().call_soon_threadsafe(_resolve, payload[1])
+
+    def _deliver(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
+
+    def _deliver_error(self, request_id: str, exc: BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

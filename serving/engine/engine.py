@@ -1,0 +1,237 @@
+"""The synchronous engine: `step()` = schedule → forward → sample → update, one batch at a time.
+
+Not thread-safe: one thread drives it (the async wrapper's loop thread, a benchmark, a test).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from serving.engine.batch import SequenceInput, build_forward_batch
+from serving.engine.config import EngineConfig
+from serving.engine.kv_cache import BlockManager, KVCache, kv_bytes_per_block
+from serving.engine.loader import load_model, read_model_args, resolve_dtype
+from serving.engine.model import Transformer
+from serving.engine.request import Request
+from serving.engine.sampling import SamplingRows, compute_logprobs, sample
+from serving.engine.scheduler import Scheduler, SchedulerOutput
+from serving.engine.types import (
+    EngineStats,
+    GenerationRequest,
+    RequestOutput,
+    RequestRejected,
+    SpecStats,
+    TokenLogprobs,
+)
+
+log = logging.getLogger(__name__)
+
+_CPU_DEFAULT_KV_BYTES = 256 * 2**20
+_CUDA_ACTIVATION_RESERVE = 0.10  # of the budget left after weights, kept for activations and the allocator
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: Transformer,
+        config: EngineConfig,
+        num_blocks: int,
+        tokenizer: Any | None = None,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.tokenizer = tokenizer
+        self.args = model.args
+        self.max_model_len = model.max_model_len
+        self.device = model.tok_embeddings.weight.device
+        self.dtype = model.tok_embeddings.weight.dtype
+        self.block_size = config.kv_block_size
+        self.cache = KVCache(self.args.n_layers, num_blocks, self.block_size, self.args.n_kv_heads,
+                             self.args.head_dim, self.dtype, self.device)
+        self.blocks = BlockManager(num_blocks, self.block_size)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self._seed_source = random.Random(config.seed)
+        self.steps_total = 0
+        self.step_time_total_s = 0.0
+        self.last_step_s = 0.0
+        self.recent_step_durations_s: collections.deque[float] = collections.deque(maxlen=512)
+        self.spec_stats = SpecStats()
+
+    # ---- construction -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        config.validate()
+        device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
+        )
+        args = read_model_args(config.model)
+        dtype = resolve_dtype(config.dtype, args, device)
+        max_model_len = config.max_model_len or args.max_position_embeddings
+        if args.sliding_window:
+            max_model_len = min(max_model_len, args.sliding_window)
+        model = load_model(config.model, dtype, device, max_model_len)
+        per_block = kv_bytes_per_block(args.n_layers, args.n_kv_heads, args.head_dim, config.kv_block_size, dtype)
+        num_blocks = max(kv_budget_bytes(config, device) // per_block, 1)
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, config.kv_block_size,
+                 num_blocks * per_block / 2**20)
+        return cls(model, config, num_blocks, load_tokenizer(config.tokenizer or config.model))
+
+    # ---- requests -----------------------------------------------------------------------------------
+
+    def check_admission(self, request: GenerationRequest) -> None:
+        """Raise RequestRejected if the request is invalid, can never fit, or cannot be queued now."""
+        try:
+            request.params.validate()
+        except ValueError as exc:
+            raise RequestRejected("invalid", str(exc)) from exc
+        n_prompt = len(request.prompt_token_ids)
+        if n_prompt == 0:
+            raise RequestRejected("invalid", "prompt is empty")
+        if any(not 0 <= t < self.args.vocab_size for t in request.prompt_token_ids):
+            raise RequestRejected("invalid", f"prompt has token ids outside [0, {self.args.vocab_size})")
+        if request.params.stop and self.tokenizer is None:
+            raise RequestRejected("invalid", "stop strings need a tokenizer; this model has none")
+        total = n_prompt + request.params.max_tokens
+        if total > self.max_model_len:
+            raise RequestRejected(
+                "never_fits",
+                f"prompt ({n_prompt} tokens) + max_tokens ({request.params.max_tokens}) = {total} exceeds "
+                f"the maximum context length {self.max_model_len}",
+            )
+        lookahead = self.config.speculative.num_draft_tokens if self.config.speculative.enabled else 0
+        needed = self.blocks.blocks_for(total + lookahead)
+        if needed > self.blocks.num_blocks:
+            raise RequestRejected(
+                "never_fits",
+                f"prompt + max_tokens = {total} tokens needs {needed} KV blocks of {self.block_size}; "
+                f"the cache has {self.blocks.num_blocks} in all",
+            )
+        if len(self.scheduler.waiting) >= self.config.max_queue:
+            raise RequestRejected("queue_full", f"{len(self.scheduler.waiting)} requests already queued")
+
+    def add_request(self, request: GenerationRequest) -> None:
+        self.check_admission(request)
+        self.scheduler.add_request(Request(
+            request.request_id,
+            request.prompt_token_ids,
+            request.params,
+            eos_token_ids=self.args.eos_token_ids,
+            max_model_len=self.max_model_len,
+            tokenizer=self.tokenizer,
+            default_seed=self._seed_source.getrandbits(63),
+        ))
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End the request now and free its blocks; returns its final chunk if it was live."""
+        req = self.scheduler.finish_request(request_id, "abort")
+        return req.make_output() if req is not None else None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step -----------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        sampled, logprobs = self.execute(sched)
+        updated = self.scheduler.update_from_output(sched, sampled, logprobs)
+        outputs = [o for o in (req.make_output() for req in updated) if o is not None]
+        self._record_step(time.perf_counter() - started)
+        return outputs
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
+        """Run the forward for a scheduled step and sample one token for every request that reaches its end."""
+        seqs, sampling = [], []
+        for req in sched.scheduled:
+            n = sched.num_scheduled_tokens[req.request_id]
+            start = req.num_computed_tokens
+            samples = sched.samples(req)
+            seqs.append(SequenceInput(
+                token_ids=req.all_token_ids[start : start + n],
+                start_pos=start,
+                block_table=self.blocks.block_table(req.request_id),
+                logits_offsets=[n - 1] if samples else [],
+            ))
+            if samples:
+                sampling.append(req)
+        batch = build_forward_batch(seqs, self.block_size, self.args.n_rep, self.device)
+        hidden = self.model(batch, self.cache)
+        if not sampling:
+            return {}, {}
+        logits = self.model.compute_logits(hidden, batch.logits_index)  # [N, vocab] fp32
+        rows = SamplingRows.from_params([r.params for r in sampling], self.args.vocab_size, self.device)
+        tokens = sample(logits, rows, [r.generator for r in sampling])
+        sampled = {r.request_id: [t] for r, t in zip(sampling, tokens.tolist(), strict=True)}
+        logprobs: dict[str, list[TokenLogprobs]] = {}
+        wants = [i for i, r in enumerate(sampling) if r.params.logprobs is not None]
+        if wants:
+            idx = torch.tensor(wants, device=logits.device)
+            computed = compute_logprobs(logits[idx], tokens[idx], [sampling[i].params.logprobs or 0 for i in wants])
+            logprobs = {sampling[i].request_id: [lp] for i, lp in zip(wants, computed, strict=True)}
+        return sampled, logprobs
+
+    def _record_step(self, seconds: float) -> None:
+        self.steps_total += 1
+        self.step_time_total_s += seconds
+        self.last_step_s = seconds
+        self.recent_step_durations_s.append(seconds)
+
+    # ---- counters -----------------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        c = self.scheduler.counters
+        return EngineStats(
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            kv_blocks_used=self.blocks.num_used,
+            kv_blocks_total=self.blocks.num_blocks,
+            kv_block_size=self.block_size,
+            prompt_tokens_total=c.prompt_tokens_total,
+            generation_tokens_total=c.generation_tokens_total,
+            preemptions_total=c.preemptions_total,
+            requests_finished_total=c.requests_finished_total,
+            steps_total=self.steps_total,
+            step_time_total_s=self.step_time_total_s,
+            last_step_s=self.last_step_s,
+            recent_step_durations_s=list(self.recent_step_durations_s),
+            spec=self.spec_stats,
+        )
+
+
+def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
+    """Bytes for the KV cache: explicit on CPU; on CUDA max_memory_utilization of the device minus what is in use."""
+    if config.kv_cache_bytes is not None:
+        return config.kv_cache_bytes
+    if device.type != "cuda":
+        return _CPU_DEFAULT_KV_BYTES
+    free, total = torch.cuda.mem_get_info(device)
+    in_use = total - free  # weights (already loaded) plus anything else on the device
+    budget = config.max_memory_utilization * total - in_use
+    if budget <= 0:
+        raise RuntimeError(
+            f"no memory left for the KV cache: {in_use / 2**30:.1f} GiB in use of "
+            f"{config.max_memory_utilization:.2f} x {total / 2**30:.1f} GiB"
+        )
+    return int(budget * (1 - _CUDA_ACTIVATION_RESERVE))
+
+
+def load_tokenizer(path: str | Path) -> Any | None:
+    """The model's tokenizer if its directory has one (tests run tokenizer-less tiny models)."""
+    directory = Path(path)
+    if not (directory / "tokenizer.json").is_file() and not (directory / "tokenizer_config.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(directory))

@@ -1,0 +1,216 @@
+"""A Llama-family decoder (Llama, Qwen2, Mistral) over a flat batch and a paged KV cache.
+
+    embed → [RMSNorm → attention (fused qkv, RoPE, paged KV) → RMSNorm → SwiGLU] × L → RMSNorm → lm_head
+
+One forward runs every token of the step — prefill chunks, decode tokens and verify tokens of many
+sequences — in a single pass. Logits are computed only for the rows the step samples from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from serving.engine.batch import AttentionGroup, ForwardBatch
+from serving.engine.kv_cache import KVCache
+from serving.engine.rope import apply_rope, build_rope_cache, compute_inv_freq
+
+SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture is not one this engine runs."""
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    norm_eps: float
+    max_position_embeddings: int
+    rope: dict[str, Any] = field(default_factory=dict)  # rope_theta, rope_type and its parameters
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    model_type: str = "llama"
+    eos_token_ids: list[int] = field(default_factory=list)
+    torch_dtype: str | None = None  # the checkpoint's dtype
+    sliding_window: int | None = None  # Mistral: attention window; max_model_len is capped to it (exact)
+
+    @property
+    def n_rep(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
+        model_type = cfg.get("model_type", "")
+        archs = cfg.get("architectures") or []
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            name = archs[0] if archs else model_type or "unknown"
+            raise UnsupportedModelError(
+                f"unsupported architecture {name!r} (model_type {model_type!r}); "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES.values())}"
+            )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"unsupported hidden_act {cfg.get('hidden_act')!r}; only silu")
+        n_heads = int(cfg["num_attention_heads"])
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+        rope.setdefault("rope_type", rope.pop("type", "default"))
+        if model_type == "qwen2" and cfg.get("use_sliding_window"):
+            raise UnsupportedModelError("Qwen2 with use_sliding_window=true is not supported")
+        eos = cfg.get("eos_token_id")
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            dim=int(cfg["hidden_size"]),
+            n_layers=int(cfg["num_hidden_layers"]),
+            n_heads=n_heads,
+            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // n_heads),
+            intermediate_size=int(cfg["intermediate_size"]),
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rope=rope,
+            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            o_bias=model_type != "qwen2" and bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            model_type=model_type,
+            eos_token_ids=eos_ids,
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            sliding_window=(cfg.get("sliding_window") or None) if model_type == "mistral" else None,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in fp32, scale in the model dtype: the reference's rounding order
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.n_rep = args.n_rep
+        qkv_dim = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
+        self.wqkv = nn.Linear(args.dim, qkv_dim, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
+        self.scale = args.head_dim**-0.5
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, cache: KVCache, layer: int
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rope(q.view(num_tokens, self.n_heads, self.head_dim), cos, sin)  # [T, Hq, D]
+        k = apply_rope(k.view(num_tokens, self.n_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.n_kv_heads, self.head_dim)
+        cache.write(layer, batch.slot_mapping, k, v)
+        out = torch.empty(num_tokens, q_size, dtype=x.dtype, device=x.device)
+        for group in batch.groups:
+            out[group.token_start : group.token_end] = self.attend_group(q, group, cache, layer)
+        return self.wo(out)
+
+    def attend_group(self, q: torch.Tensor, group: AttentionGroup, cache: KVCache, layer: int) -> torch.Tensor:
+        """Padded SDPA for one group; returns [group tokens, Hq * D]."""
+        g, max_q, hkv, d = group.num_seqs, group.max_q, self.n_kv_heads, self.head_dim
+        if group.uniform:
+            q_pad = q[group.token_start : group.token_end]  # [G * max_q, Hq, D]
+        else:
+            assert group.query_index is not None
+            q_pad = q.index_select(0, group.query_index)
+        # GQA without repeating K/V: the n_rep query heads of a KV head become extra query rows
+        q_pad = q_pad.view(g, max_q, hkv, self.n_rep, d).permute(0, 2, 3, 1, 4)  # [G, Hkv, n_rep, max_q, D]
+        q_pad = q_pad.reshape(g, hkv, self.n_rep * max_q, d)
+        k_ctx, v_ctx = cache.gather(layer, group.block_tables)  # [G, Hkv, K, D]
+        o = F.scaled_dot_product_attention(q_pad, k_ctx, v_ctx, attn_mask=group.mask, scale=self.scale)
+        o = o.view(g, hkv, self.n_rep, max_q, d).permute(0, 3, 1, 2, 4)  # [G, max_q, Hkv, n_rep, D]
+        o = o.reshape(g * max_q, hkv * self.n_rep * d)
+        if not group.uniform:
+            assert group.valid_index is not None
+            o = o.index_select(0, group.valid_index)
+        return o
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.intermediate_size = args.intermediate_size
+        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=args.mlp_bias)  # gate and up, fused
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).split(self.intermediate_size, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, cache: KVCache, layer: int
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, batch, cache, layer)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs, max_model_len: int) -> None:
+        super().__init__()
+        self.args = args
+        self.max_model_len = max_model_len
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.rope_cos = torch.empty(0)  # [max_model_len, D] fp32, indexed by position
+        self.rope_sin = torch.empty(0)
+        self.build_rope(None)
+
+    def build_rope(self, device: torch.device | None) -> None:
+        args = self.args
+        inv_freq, scaling = compute_inv_freq(
+            args.head_dim, args.rope, args.max_position_embeddings, self.max_model_len
+        )
+        cos, sin = build_rope_cache(inv_freq, scaling, self.max_model_len)
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+
+    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """Run the batch through all layers, writing its K/V; returns hidden states [T, dim]."""
+        x = self.tok_embeddings(batch.input_ids)  # [T, dim]
+        cos = self.rope_cos[batch.positions].to(x.dtype).unsqueeze(1)  # [T, 1, D]
+        sin = self.rope_sin[batch.positions].to(x.dtype).unsqueeze(1)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, batch, cache, i)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Final norm and lm_head for the selected rows only; fp32 logits [N, vocab]."""
+        return self.output(self.norm(hidden.index_select(0, rows))).float()

@@ -1,0 +1,148 @@
+"""The engine's public data contract: what a request asks for and what it gets back.
+
+Plain dataclasses with no torch import, so the server can import them cheaply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy (argmax)
+    top_p: float = 1.0  # nucleus mass kept, (0, 1]; 1 = off
+    top_k: int = 0  # keep the k most likely tokens; 0 or -1 = off
+    seed: int | None = None  # seeds this request's own generator; None = random
+    max_tokens: int = 16  # generated tokens at most
+    stop: list[str] = field(default_factory=list)  # stop strings, cut from the returned text
+    stop_token_ids: list[int] = field(default_factory=list)  # extra stop ids, besides the model's EOS
+    ignore_eos: bool = False  # keep generating past EOS (benchmarks)
+    logprobs: int | None = None  # top-n logprobs per generated token; None = none, 0 = sampled token only
+    speculative: bool = True  # per-request opt-out of speculative decoding
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending field."""
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop must be a list of non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative integers")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int  # the generated token
+    logprob: float  # its log-probability under the model (raw logits, before temperature/top-k/top-p)
+    top_logprobs: list[tuple[int, float]]  # the n most likely (token_id, logprob), best first
+
+
+@dataclass
+class RequestOutput:
+    """One incremental chunk of a request's output."""
+
+    request_id: str
+    new_token_ids: list[int]  # tokens generated since the previous chunk
+    new_text: str  # their text, incrementally detokenized, stop strings already cut
+    finished: bool
+    finish_reason: FinishReason | None  # set on the last chunk
+    num_prompt_tokens: int
+    num_generated_tokens: int  # total so far, this chunk included
+    logprobs: list[TokenLogprobs] | None = None  # one per new token when the request asked for logprobs
+    stop_reason: str | int | None = None  # the stop string or token id that ended it, if any
+    arrival_time: float = 0.0  # time.monotonic() when the engine accepted the request
+    first_token_time: float | None = None  # time.monotonic() of the first generated token
+
+
+RejectionKind = Literal["never_fits", "queue_full", "invalid", "unavailable"]
+
+
+class RequestRejected(Exception):
+    """Admission refused a request.
+
+    kind "never_fits" / "invalid" → HTTP 400 (the request itself is wrong, the message says the numbers);
+    "queue_full" / "unavailable" → 429 / 503 (retry later).
+    """
+
+    def __init__(self, kind: RejectionKind, message: str) -> None:
+        super().__init__(message)
+        self.kind: RejectionKind = kind
+        self.reason = message
+
+    @property
+    def retryable(self) -> bool:
+        return self.kind in ("queue_full", "unavailable")
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop failed; the engine serves nothing more. The cause is chained."""
+
+
+@dataclass
+class SpecStats:
+    """Speculative decoding counters (all zero while speculation is off)."""
+
+    num_drafts: int = 0  # verification rounds with at least one draft token
+    num_draft_tokens: int = 0  # draft tokens proposed and verified
+    num_accepted_tokens: int = 0  # draft tokens accepted
+    accepted_per_position: list[int] = field(default_factory=list)  # index i: drafts accepted at position i
+    k_histogram: dict[int, int] = field(default_factory=dict)  # chosen k -> sequences-steps
+    rejected_verify_time_s: float = 0.0  # estimated verify time spent on rejected tokens
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        # tokens emitted per verification round: accepted drafts + the bonus/correction token
+        return (self.num_accepted_tokens + self.num_drafts) / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine's counters; totals are monotonic since start."""
+
+    num_waiting: int  # requests queued, not yet scheduled (preempted ones included)
+    num_running: int  # requests holding KV blocks
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_block_size: int
+    prompt_tokens_total: int  # prompt tokens prefilled (recomputation after preemption included)
+    generation_tokens_total: int  # tokens generated
+    preemptions_total: int
+    requests_finished_total: int
+    steps_total: int
+    step_time_total_s: float
+    last_step_s: float
+    recent_step_durations_s: list[float]  # the last few hundred step durations, oldest first
+    spec: SpecStats = field(default_factory=SpecStats)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0

@@ -1,0 +1,121 @@
+"""Tiny randomly initialised checkpoints (saved the way Hugging Face saves them) and ways to run engines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from serving.engine.batch import SequenceInput, build_forward_batch
+from serving.engine.config import EngineConfig
+from serving.engine.engine import LLMEngine
+from serving.engine.kv_cache import BlockManager, KVCache
+from serving.engine.loader import load_model
+from serving.engine.model import Transformer
+from serving.engine.types import GenerationRequest, SamplingParams
+
+VOCAB = 128
+
+
+def save_tiny_model(path: Path, model_type: str = "llama", **overrides: Any) -> Path:
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    common: dict[str, Any] = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        eos_token_id=None, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
+        initializer_range=0.1,  # logits spread enough that greedy argmax is not decided by rounding
+    )
+    common.update(overrides)
+    classes = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+    }
+    config_cls, model_cls = classes[model_type]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**common))
+    with torch.no_grad():  # biases start at zero; give them values so the q/k/v bias path is exercised
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+def random_prompts(lengths: list[int], vocab: int = 128, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def make_engine(model_dir: Path, **overrides: object) -> LLMEngine:
+    cfg = EngineConfig(model=str(model_dir), kv_cache_bytes=8 * 2**20, max_num_batched_tokens=128, max_num_seqs=32)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return LLMEngine.from_config(cfg)
+
+
+def run_to_completion(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(GenerationRequest(str(i), prompt, p))
+    got: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+    return [got[str(i)] for i in range(len(prompts))]
+
+
+class PagedRunner:
+    """Drives the bare model over a paged cache with hand-made step layouts."""
+
+    def __init__(self, model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.model: Transformer = load_model(model_dir, dtype, self.device, 512)
+        a = self.model.args
+        self.cache = KVCache(a.n_layers, 96, 16, a.n_kv_heads, a.head_dim, dtype, self.device)
+        self.blocks = BlockManager(96, 16)
+
+    @torch.inference_mode()
+    def step(self, prompts: list[list[int]], spec: list[tuple[int, int, int]]) -> torch.Tensor:
+        """spec: (sequence, start, count) per scheduled sequence; returns logits of every scheduled token."""
+        seqs = []
+        for sid, start, n in spec:
+            self.blocks.allocate(str(sid), start + n)
+            seqs.append(SequenceInput(prompts[sid][start : start + n], start, self.blocks.block_table(str(sid)),
+                                      list(range(n))))
+        batch = build_forward_batch(seqs, 16, self.model.args.n_rep, self.device)
+        return self.model.compute_logits(self.model(batch, self.cache), batch.logits_index)
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("qwen2"), "qwen2")
+
+
+class EngineTestKit:
+    """The helpers above as one fixture (tests cannot import conftest under --import-mode=importlib)."""
+
+    save_tiny_model = staticmethod(save_tiny_model)
+    random_prompts = staticmethod(random_prompts)
+    make_engine = staticmethod(make_engine)
+    run_to_completion = staticmethod(run_to_completion)
+    PagedRunner = PagedRunner
+
+
+@pytest.fixture(scope="session")
+def kit() -> type[EngineTestKit]:
+    return EngineTestKit
