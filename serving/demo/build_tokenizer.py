@@ -64,7 +64,8 @@ def build_tokenizer(out: Path, vocab_size: int = 4096, max_files: int | None = N
     )
     fast.add_special_tokens({"additional_special_tokens": [IM_START, IM_END]})
     out.mkdir(parents=True, exist_ok=True)
-    fast.save_pretrained(str(out))
+    # template inside tokenizer_config.json: one file fewer to ship, and *.json is package data
+    fast.save_pretrained(str(out), save_jinja_files=False)
     log.info("tokenizer: %d tokens, trained on %d files -> %s", len(fast), len(train_files), out)
     return out
 

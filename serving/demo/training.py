@@ -61,7 +61,7 @@ def encode_files(tokenizer: PreTrainedTokenizerBase, files: list[str]) -> torch.
 
     texts = list(corpus.read_texts(files))
     ids: list[int] = []
-    for encoded in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+    for encoded in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]:
         ids.extend(encoded)
         ids.append(tokenizer.eos_token_id)
     return torch.tensor(ids, dtype=torch.long)
@@ -125,7 +125,7 @@ def save_checkpoint(
         do_sample=False,
     )
     model.save_pretrained(str(tmp), safe_serialization=True)
-    tokenizer.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp), save_jinja_files=False)
     (tmp / "training.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     old = out.with_name(out.name + ".old")
     if out.exists():

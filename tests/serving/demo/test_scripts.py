@@ -1,0 +1,46 @@
+"""The rebuild scripts run end to end on a tiny configuration (a few steps, tmp dirs)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from serving.demo import build_tokenizer, distill_draft, evaluate, train_target
+
+TINY = ["--tiny", "--steps", "2", "--batch-size", "2", "--seq-len", "32", "--max-files", "4", "--threads", "1"]
+
+
+def test_tokenizer_target_draft_and_evaluate_rebuild(tmp_path, capsys):
+    tok_dir, target_dir, draft_dir = tmp_path / "tok", tmp_path / "target", tmp_path / "draft"
+    build_tokenizer.main(["--out", str(tok_dir), "--vocab-size", "300", "--max-files", "4"])
+    assert len(AutoTokenizer.from_pretrained(str(tok_dir))) == 300
+
+    train_target.main([*TINY, "--tokenizer", str(tok_dir), "--out", str(target_dir)])
+    distill_draft.main([*TINY, "--target", str(target_dir), "--out", str(draft_dir)])
+    for path in (target_dir, draft_dir):
+        model = AutoModelForCausalLM.from_pretrained(str(path))
+        assert model.config.vocab_size == 300
+        assert json.loads((path / "training.json").read_text())["steps"] == 2
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob("*.old"))
+
+    capsys.readouterr()
+    evaluate.main(
+        [
+            "--target",
+            str(target_dir),
+            "--draft",
+            str(draft_dir),
+            "--max-windows",
+            "2",
+            "--new-tokens",
+            "2",
+            "--json-only",
+            "--threads",
+            "1",
+        ]
+    )
+    result = json.loads(capsys.readouterr().out)
+    assert 0.0 <= result["greedy_top1_agreement"] <= 1.0
+    assert result["target"]["perplexity"] > 1 and torch.isfinite(torch.tensor(result["draft"]["loss"]))
