@@ -43,6 +43,7 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output at most; default: the model's max positions
     max_queue: int = 128  # waiting requests at most; beyond that admission answers "queue full"
     seed: int = 0  # seeds generators of requests that bring no seed
+    num_threads: int | None = None  # CPU: torch intra-op threads (process-wide); None leaves torch's default
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def validate(self) -> None:

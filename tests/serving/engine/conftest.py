@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,15 @@ class PagedRunner:
                                       list(range(n))))
         batch = build_forward_batch(seqs, 16, self.model.args.n_rep, self.device)
         return self.model.compute_logits(self.model(batch, self.cache), batch.logits_index)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Tiny models on a shared 2-core machine: one thread is several times faster than two that wait."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,76 @@
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from serving.engine.sampling import SamplingRows, logits_to_probs, sample, sample_from_probs
+from serving.engine.types import GenerationRequest, SamplingParams
+
+
+def rows_for(*params: SamplingParams, vocab: int = 4) -> SamplingRows:
+    return SamplingRows.from_params(list(params), vocab, torch.device("cpu"))
+
+
+def test_top_k_keeps_the_k_most_likely() -> None:
+    logits = torch.tensor([[1.0, 4.0, 3.0, 2.0]])
+    probs = logits_to_probs(logits, rows_for(SamplingParams(top_k=2)))
+    assert torch.equal(probs[0] > 0, torch.tensor([False, True, True, False]))
+    assert torch.allclose(probs.sum(), torch.tensor(1.0))
+
+
+def test_top_p_keeps_the_smallest_nucleus_reaching_p() -> None:
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    keep = logits_to_probs(logits, rows_for(SamplingParams(top_p=0.7)))[0] > 0
+    assert keep.tolist() == [True, True, False, False]
+    keep = logits_to_probs(logits, rows_for(SamplingParams(top_p=0.5)))[0] > 0
+    assert keep.tolist() == [True, False, False, False]
+
+
+def test_rows_get_their_own_parameters_and_greedy_rows_take_argmax() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]] * 3)
+    rows = rows_for(SamplingParams(temperature=0), SamplingParams(top_k=1), SamplingParams(temperature=0.5))
+    probs = logits_to_probs(logits, rows)
+    assert probs[0].tolist() == [0, 0, 0, 1] and probs[1].tolist() == [0, 0, 0, 1]
+    assert (probs[2] > 0).all()
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    assert sample(logits, rows, gens)[:2].tolist() == [3, 3]
+
+
+def test_inverse_cdf_sampling_follows_the_distribution() -> None:
+    probs = torch.tensor([[0.2, 0.0, 0.5, 0.3]]).expand(20000, 4)
+    tokens = sample_from_probs(probs, 1.0 - torch.rand(20000, generator=torch.Generator().manual_seed(0)))
+    freq = torch.bincount(tokens, minlength=4).float() / 20000
+    assert freq[1] == 0
+    assert torch.allclose(freq, probs[0], atol=0.015)
+
+
+def test_seeded_output_does_not_depend_on_batch_neighbours(kit: Any, llama_dir: Path) -> None:
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
+    prompt = kit.random_prompts([12])[0]
+    alone = kit.run_to_completion(kit.make_engine(llama_dir), [prompt], [params])[0]
+    others = kit.random_prompts([5, 30, 17], seed=9)
+    crowd = kit.run_to_completion(
+        kit.make_engine(llama_dir),
+        others + [prompt],
+        [SamplingParams(temperature=0.7, max_tokens=30, ignore_eos=True)] * 3 + [params],
+    )[-1]
+    assert alone == crowd
+    different_seed = kit.run_to_completion(
+        kit.make_engine(llama_dir), [prompt],
+        [SamplingParams(temperature=1.0, top_p=0.95, seed=99, max_tokens=24, ignore_eos=True)])[0]
+    assert different_seed != alone
+
+
+def test_unseeded_requests_differ_from_each_other(kit: Any, llama_dir: Path) -> None:
+    engine = kit.make_engine(llama_dir)
+    prompt = kit.random_prompts([8])[0]
+    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    for rid in ("a", "b"):
+        engine.add_request(GenerationRequest(rid, prompt, params))
+    got: dict[str, list[int]] = {"a": [], "b": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+    assert got["a"] != got["b"]
