@@ -20,6 +20,7 @@ from serving import __version__
 COMMAND_MODULES: tuple[str, ...] = (
     "config_cmd",
     "weights_cmd",
+    "serve_cmd",
     "plan_cmd",
 )
 

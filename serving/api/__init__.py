@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API: one router per concern under ``routes/``."""

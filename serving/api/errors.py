@@ -1,0 +1,121 @@
+"""Errors in OpenAI's JSON shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every failure a client can cause maps to a 4xx here; a 500 means a bug in the server.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.retry_after = retry_after
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, code=self.code, param=self.param)
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after is None:
+            return {}
+        return {"Retry-After": str(max(1, round(self.retry_after)))}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers())
+
+
+class BodyTooLarge(Exception):
+    """Raised from the ASGI receive wrapper when a body outgrows service.max_body_bytes."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"request body exceeds {limit} bytes")
+        self.limit = limit
+
+
+def error_body(status: int, message: str, *, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param,
+                      "code": code}}
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, str]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None, "invalid_request"
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "parse error")
+        return f"request body is not valid JSON: {detail}", None, "invalid_json"
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if first.get("type") == "missing":
+        return f"missing required parameter: {param}", param, "missing_required_parameter"
+    return f"{param}: {message}" if param else message, param, "invalid_value"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param, code = _validation_message(exc)
+        return JSONResponse(error_body(400, message, code=code, param=param), status_code=400)
+
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
+        return JSONResponse(error_body(413, str(exc), code="request_too_large"), status_code=413)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message, code = (str(exc.detail) if exc.detail else "error"), None
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        elif exc.status_code == 400:  # FastAPI's "There was an error parsing the body": bad bytes
+            message, code = "request body is not valid UTF-8 JSON", "invalid_body"
+        return JSONResponse(error_body(exc.status_code, message, code=code), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(UnicodeDecodeError)
+    async def _bad_utf8(request: Request, exc: UnicodeDecodeError) -> JSONResponse:
+        body = error_body(400, "request body is not valid UTF-8", code="invalid_encoding")
+        return JSONResponse(body, status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(error_body(500, "internal server error", code="internal_error"), status_code=500)

@@ -1,0 +1,112 @@
+"""Start-up in the background, so /health and /ready answer while it runs:
+verify (or pull) the weights → load the engine → one warm-up generation → ready.
+
+Any failure leaves the server up but never ready, with /ready naming the cause (for weights:
+the file). The model loads here, never at import time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from serving.api.settings import Settings
+from serving.api.state import Engine, ServerState
+from serving.config import ServerConfig
+from serving.engine.types import GenerationRequest, SamplingParams
+from serving.weights import WeightsError, ensure_local, verify_dir
+
+logger = logging.getLogger(__name__)
+
+EngineFactory = Callable[[Settings], Engine]
+WARMUP_TOKENS = 4
+
+
+def verify_weights(config: ServerConfig) -> None:
+    """Pull ``service.weights_uri`` into ``model.path`` if set; verify the target and the draft."""
+    ensure_local(Path(config.model.path), config.service.weights_uri)
+    spec = config.speculative
+    if spec.enabled and spec.method == "draft" and spec.draft_model:
+        try:
+            verify_dir(Path(spec.draft_model))
+        except WeightsError as exc:
+            raise WeightsError(f"draft model: {exc}") from exc
+
+
+def build_engine(settings: Settings) -> Engine:
+    """The real engine, configured from the server config file."""
+    from serving.engine import AsyncEngine, EngineConfig, SpeculativeConfig
+
+    config = settings.config
+    scheduler = config.scheduler
+    spec = config.speculative
+    engine_config = EngineConfig(
+        model=config.model.path,
+        dtype=config.model.dtype,
+        device=config.model.device,
+        kv_block_size=scheduler.kv_block_size,
+        kv_cache_bytes=config.model.kv_cache_bytes,
+        max_memory_utilization=config.model.max_memory_utilization,
+        max_num_seqs=scheduler.max_concurrency,
+        max_num_batched_tokens=scheduler.max_batched_tokens,
+        max_model_len=config.max_model_len,
+        max_queue=scheduler.max_queue,
+        speculative=SpeculativeConfig(
+            enabled=spec.enabled,
+            method=spec.method,
+            draft_model=spec.draft_model,
+            num_draft_tokens=spec.num_draft_tokens,
+            adaptive=spec.adaptive,
+            ngram_min=spec.ngram_min,
+            ngram_max=spec.ngram_max,
+        ),
+    )
+    engine: Engine = AsyncEngine.from_config(engine_config)
+    return engine
+
+
+async def warm_up(engine: Engine) -> None:
+    tokenizer = engine.tokenizer
+    prompt = list(tokenizer.encode("Hello", add_special_tokens=True)) if tokenizer is not None else [1]
+    request = GenerationRequest("warmup", prompt or [1], SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS))
+    async for output in engine.generate(request):
+        if output.finished:
+            break
+
+
+async def start_serving(state: ServerState, factory: EngineFactory) -> None:
+    settings = state.settings
+    try:
+        state.phase = "verifying weights"
+        await asyncio.to_thread(verify_weights, settings.config)
+        state.phase = "loading model"
+        engine = await asyncio.to_thread(factory, settings)
+        await engine.start()
+        state.engine = engine
+        if getattr(engine, "device_type", None) == "cuda" or _cuda_in_use(settings):
+            state.metrics.enable_gpu()
+        state.phase = "warming up"
+        await warm_up(engine)
+        state.phase = "ready"
+        logger.info("ready: serving %s from %s", settings.model_name, settings.config.model.path)
+    except WeightsError as exc:
+        state.failure = f"weights verification failed: {exc}"
+        logger.error("not ready: %s", state.failure)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        state.failure = f"start-up failed during {state.phase}: {exc}"
+        logger.exception("not ready: start-up failed during %s", state.phase)
+
+
+def _cuda_in_use(settings: Settings) -> bool:
+    if settings.config.model.device == "cpu":
+        return False
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return False

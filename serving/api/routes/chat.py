@@ -1,0 +1,63 @@
+"""POST /v1/chat/completions: messages rendered with the tokenizer's chat template."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from starlette.responses import Response
+
+from serving.api.deps import EngineDep, StateDep
+from serving.api.generation import ClientGone, GenerationRun, encode_chat, until_disconnect
+from serving.api.routes.common import chat_logprobs, check_finish, check_model, collect, sse_events, start_run
+from serving.api.schemas import ChatCompletionRequest
+from serving.api.sse import EventStreamResponse
+
+router = APIRouter(tags=["chat"])
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, engine: EngineDep,
+                                 state: StateDep) -> Response:
+    check_model(state, body.model)
+    messages = [{"role": m.role, "content": m.text} for m in body.messages]
+    prompt_ids = encode_chat(engine.tokenizer, messages)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    run = start_run(request, state, engine, body, prompt_ids, body.output_limit, logprobs, "chatcmpl")
+    base = {"id": run.request.request_id, "object": "chat.completion", "created": int(time.time()),
+            "model": body.model}
+    if body.stream:
+        return EventStreamResponse(sse_events(run, _chunks(run, base, body, engine.tokenizer)))
+    try:
+        result = await until_disconnect(request.receive, collect(run))
+    except ClientGone:
+        return Response(status_code=499)
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": result.text},
+        "logprobs": chat_logprobs(engine.tokenizer, result.logprobs) if body.logprobs else None,
+        "finish_reason": result.finish_reason,
+    }
+    return JSONResponse({**base, "choices": [choice], "usage": run.usage})
+
+
+async def _chunks(run: GenerationRun, base: dict[str, Any], body: ChatCompletionRequest,
+                  tokenizer: Any) -> AsyncIterator[dict[str, Any]]:
+    base = {**base, "object": "chat.completion.chunk"}
+    usage_field = {"usage": None} if body.include_usage else {}
+    yield {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None}], **usage_field}
+    async for output in run.outputs():
+        check_finish(output)
+        if not output.new_text and not output.finished and not output.logprobs:
+            continue
+        delta = {"content": output.new_text} if output.new_text else {}
+        logprobs = chat_logprobs(tokenizer, output.logprobs or []) if body.logprobs else None
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs,
+                  "finish_reason": output.finish_reason if output.finished else None}
+        yield {**base, "choices": [choice], **usage_field}
+    if body.include_usage:
+        yield {**base, "choices": [], "usage": run.usage}

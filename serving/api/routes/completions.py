@@ -1,0 +1,72 @@
+"""POST /v1/completions (the legacy text completion API)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from starlette.responses import Response
+
+from serving.api.deps import EngineDep, StateDep
+from serving.api.errors import ApiError
+from serving.api.generation import ClientGone, GenerationRun, encode_text, until_disconnect
+from serving.api.routes.common import (
+    check_finish,
+    check_model,
+    collect,
+    completion_logprobs,
+    sse_events,
+    start_run,
+)
+from serving.api.schemas import CompletionRequest
+from serving.api.sse import EventStreamResponse
+
+router = APIRouter(tags=["completions"])
+
+
+@router.post("/v1/completions", response_model=None)
+async def create_completion(body: CompletionRequest, request: Request, engine: EngineDep,
+                            state: StateDep) -> Response:
+    check_model(state, body.model)
+    prompt = body.single_prompt
+    if not prompt:
+        raise ApiError(400, "prompt is empty", param="prompt", code="empty_prompt")
+    prompt_ids = list(prompt) if isinstance(prompt, list) else encode_text(engine.tokenizer, prompt)
+    run = start_run(request, state, engine, body, prompt_ids, body.max_tokens, body.logprobs, "cmpl")
+    created = int(time.time())
+    base = {"id": run.request.request_id, "object": "text_completion", "created": created, "model": body.model}
+    if body.stream:
+        return EventStreamResponse(sse_events(run, _chunks(run, base, body, engine.tokenizer)))
+    try:
+        result = await until_disconnect(request.receive, collect(run))
+    except ClientGone:
+        return Response(status_code=499)
+    choice = {
+        "index": 0,
+        "text": result.text,
+        "logprobs": completion_logprobs(engine.tokenizer, result.logprobs, 0) if body.logprobs is not None else None,
+        "finish_reason": result.finish_reason,
+    }
+    return JSONResponse({**base, "choices": [choice], "usage": run.usage})
+
+
+async def _chunks(run: GenerationRun, base: dict[str, Any], body: CompletionRequest,
+                  tokenizer: Any) -> AsyncIterator[dict[str, Any]]:
+    offset = 0
+    usage_field = {"usage": None} if body.include_usage else {}
+    async for output in run.outputs():
+        check_finish(output)
+        if not output.new_text and not output.finished and not output.logprobs:
+            continue
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = completion_logprobs(tokenizer, output.logprobs or [], offset)
+        offset += len(output.new_text)
+        choice = {"index": 0, "text": output.new_text, "logprobs": logprobs,
+                  "finish_reason": output.finish_reason if output.finished else None}
+        yield {**base, "choices": [choice], **usage_field}
+    if body.include_usage:
+        yield {**base, "choices": [], "usage": run.usage}

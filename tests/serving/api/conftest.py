@@ -1,0 +1,166 @@
+"""A tiny random Llama with the demo tokenizer, pushed to a file:// store, served by real
+`specdeploy serve` processes on loopback. No fake engine: every test here talks HTTP to the real one."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[3]
+DEMO_TOKENIZER = REPO / "serving" / "demo" / "tokenizer"
+MODEL_NAME = "tiny"
+KEYS = {"alice": "alice-secret-key-0123456789", "bob": "bob-secret-key-abcdefghij", "slow": "slow-secret-key-zyxwvu98"}
+SLOW_KEY_RPM = 2
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def save_tiny_chat_model(path: Path) -> Path:
+    """Random weights (vocab of the demo tokenizer), the demo tokenizer and a chat template."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False,
+                         initializer_range=0.1)
+    LlamaForCausalLM(config).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO_TOKENIZER / name, path / name)
+    (path / "chat_template.jinja").write_text(
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+        "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    return path
+
+
+@pytest.fixture(scope="session")
+def model_store(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """file:// URI of the tiny model version (pushed with its manifest)."""
+    from serving.weights import push
+
+    root = tmp_path_factory.mktemp("weights")
+    model = save_tiny_chat_model(root / "src")
+    uri = f"file://{root / 'store' / 'tiny' / 'v1'}"
+    push(model, uri)
+    return uri
+
+
+class ServerProcess:
+    def __init__(self, workdir: Path, model_store: str, overrides: dict[str, dict[str, Any]] | None = None,
+                 keys: str | None = None) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = workdir / "server.log"
+        config: dict[str, dict[str, Any]] = {
+            "service": {"host": "127.0.0.1", "port": self.port, "served_model_name": MODEL_NAME,
+                        "weights_uri": model_store, "max_body_bytes": 65536, "drain_grace_s": 20},
+            "model": {"path": str(workdir / "cache" / "tiny"), "dtype": "fp32", "device": "cpu",
+                      "kv_cache_bytes": 4 * 2**20},
+            "scheduler": {"max_concurrency": 64, "max_input_len": 512, "max_output_len": 1024, "max_queue": 64,
+                          "request_timeout_s": 60, "max_batched_tokens": 512},
+        }
+        for section, values in (overrides or {}).items():
+            config[section].update(values)
+        self.config_path = workdir / "server.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEPLOY")}
+        env["SPECDEPLOY_API_KEYS"] = keys if keys is not None else (
+            f"alice:{KEYS['alice']},bob:{KEYS['bob']},slow:{KEYS['slow']}:{SLOW_KEY_RPM}")
+        self.log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "infra.cli.main", "serve", "--config", str(self.config_path)],
+            cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+        )
+
+    def client(self, key: str | None = KEYS["alice"], timeout: float = 60) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_text()}")
+            try:
+                if httpx.get(f"{self.base_url}/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"server not ready after {timeout}s:\n{self.log_text()}")
+
+    def log_text(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def metric(self, name: str) -> float:
+        for line in httpx.get(f"{self.base_url}/metrics", timeout=10).text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return int(self.proc.returncode)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory, model_store: str) -> Iterator[ServerProcess]:
+    """The shared server: roomy limits, three API keys (one rate-limited)."""
+    proc = ServerProcess(tmp_path_factory.mktemp("server"), model_store,
+                         overrides={"model": {"max_model_len": 1100}})
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="session")
+def small_server(tmp_path_factory: pytest.TempPathFactory, model_store: str) -> Iterator[ServerProcess]:
+    """Capacity 2 running + 2 queued, a 2 s request timeout: for overload and timeouts."""
+    proc = ServerProcess(tmp_path_factory.mktemp("small"), model_store, overrides={
+        "scheduler": {"max_concurrency": 2, "max_queue": 2, "max_output_len": 1500, "max_input_len": 256,
+                      "request_timeout_s": 2},
+    })
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="session")
+def api_keys() -> dict[str, str]:
+    return dict(KEYS)
+
+
+@pytest.fixture(scope="session")
+def model_name() -> str:
+    return MODEL_NAME
