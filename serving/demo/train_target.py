@@ -10,6 +10,7 @@ minutes, so a killed run still leaves usable weights.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from pathlib import Path
 
@@ -47,7 +48,10 @@ def train_target(args: argparse.Namespace) -> Path:
     heldout = fixed_windows(encode_files(tokenizer, heldout_files), args.seq_len, limit=32)
     log.info("train tokens %d from %d files; held-out windows %d", len(train), len(train_files), len(heldout))
 
-    model = LlamaForCausalLM(llama_config(TINY_SHAPE if args.tiny else TARGET_SHAPE, tokenizer))
+    if args.init_from is not None:  # continue from an earlier run's weights with a fresh schedule
+        model = LlamaForCausalLM.from_pretrained(str(args.init_from), dtype=torch.float32)
+    else:
+        model = LlamaForCausalLM(llama_config(TINY_SHAPE if args.tiny else TARGET_SHAPE, tokenizer))
     log.info("target parameters: %d", sum(p.numel() for p in model.parameters()))
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -61,6 +65,9 @@ def train_target(args: argparse.Namespace) -> Path:
     last_ckpt = 0.0
     step = 0
     meta: dict[str, object] = {"script": "serving.demo.train_target", "seed": args.seed}
+    if args.init_from is not None:
+        previous = args.init_from / "training.json"
+        meta["continued_from"] = json.loads(previous.read_text()) if previous.exists() else str(args.init_from)
 
     def heldout_loss() -> float:
         model.eval()
@@ -112,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     add_common_args(parser, out=MODELS_DIR / "target", steps=20000, max_minutes=50)
     parser.add_argument("--tokenizer", type=Path, default=TOKENIZER_DIR)
     parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--init-from", type=Path, default=None, help="start from these weights (continue training)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     train_target(args)

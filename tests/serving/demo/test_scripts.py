@@ -18,6 +18,9 @@ def test_tokenizer_target_draft_and_evaluate_rebuild(tmp_path, capsys):
     assert len(AutoTokenizer.from_pretrained(str(tok_dir))) == 300
 
     train_target.main([*TINY, "--tokenizer", str(tok_dir), "--out", str(target_dir)])
+    continued = tmp_path / "continued"
+    train_target.main([*TINY, "--tokenizer", str(tok_dir), "--init-from", str(target_dir), "--out", str(continued)])
+    assert json.loads((continued / "training.json").read_text())["continued_from"]["steps"] == 2
     distill_draft.main([*TINY, "--target", str(target_dir), "--out", str(draft_dir)])
     for path in (target_dir, draft_dir):
         model = AutoModelForCausalLM.from_pretrained(str(path))
