@@ -144,10 +144,24 @@ def server(tmp_path_factory: pytest.TempPathFactory, model_store: str) -> Iterat
 
 @pytest.fixture(scope="session")
 def small_server(tmp_path_factory: pytest.TempPathFactory, model_store: str) -> Iterator[ServerProcess]:
-    """Capacity 2 running + 2 queued, a 2 s request timeout: for overload and timeouts."""
+    """A 1 s request timeout and room for 1500 output tokens: a long request must time out."""
     proc = ServerProcess(tmp_path_factory.mktemp("small"), model_store, overrides={
-        "scheduler": {"max_concurrency": 2, "max_queue": 2, "max_output_len": 1500, "max_input_len": 256,
-                      "request_timeout_s": 2},
+        "scheduler": {"max_concurrency": 4, "max_queue": 4, "max_output_len": 1500, "max_input_len": 256,
+                      "request_timeout_s": 1},
+    })
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def capacity_server(tmp_path_factory: pytest.TempPathFactory, model_store: str) -> Iterator[ServerProcess]:
+    """Capacity 2 running + 2 queued: for overload; the drain test ends it with SIGTERM."""
+    proc = ServerProcess(tmp_path_factory.mktemp("capacity"), model_store, overrides={
+        "scheduler": {"max_concurrency": 2, "max_queue": 2, "request_timeout_s": 60},
+        "service": {"drain_grace_s": 30},
     })
     try:
         proc.wait_ready()
