@@ -1,0 +1,92 @@
+"""The `platform: kubernetes` program: wires the Kubernetes components from one StackConfig.
+
+Called by ``infra/__main__.py``; returns the stack exports instead of exporting them,
+so the caller decides and tests can read them. Objects go to the cluster of the
+ambient kubeconfig (or the `kubernetes:` provider settings of the stack).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pulumi
+
+from infra.components.k8s_autoscaling import QueueAutoscaler, QueueAutoscalerArgs
+from infra.components.k8s_namespace import ServingNamespace, ServingNamespaceArgs
+from infra.components.k8s_observability import ServingObservability, ServingObservabilityArgs
+from infra.components.k8s_release_slot import ReleaseSlot, ReleaseSlotArgs
+from infra.components.k8s_routing import WeightedRouting, WeightedRoutingArgs
+from infra.components.k8s_security import ServingGuards, ServingGuardsArgs
+from infra.config import StackConfig
+
+SLOTS = ("blue", "green")
+
+
+@dataclass(frozen=True)
+class KubernetesStack:
+    """The components of one Kubernetes stack (tests and the preview read them)."""
+
+    config: StackConfig
+    namespace: ServingNamespace
+    slots: dict[str, ReleaseSlot]  # slot name -> its component, only slots the stack defines
+    routing: WeightedRouting
+    autoscaler: QueueAutoscaler
+    guards: ServingGuards
+    observability: ServingObservability
+
+    def exports(self) -> dict[str, pulumi.Output]:
+        spec = self.config.kubernetes
+        scheme = "https" if spec and spec.tls_secret else "http"
+        endpoint = f"{scheme}://{self.routing.host}" if self.routing.host else None
+        return {
+            "platform": pulumi.Output.from_input("kubernetes"),
+            "namespace": self.namespace.name,
+            "endpoint": pulumi.Output.from_input(endpoint),
+            "active_slot": pulumi.Output.from_input(self.config.slots.active),
+            "canary_weight": pulumi.Output.from_input(self.routing.canary_weight),
+            "slot_services": pulumi.Output.all(**{slot: c.service_name for slot, c in self.slots.items()}),
+            "slot_deployments": pulumi.Output.all(**{slot: c.deployment_name for slot, c in self.slots.items()}),
+            "alert_names": pulumi.Output.from_input(self.observability.alert_names),
+        }
+
+
+def build_kubernetes(config: StackConfig) -> KubernetesStack:
+    """Build every Kubernetes object of the stack."""
+    if config.kubernetes is None:
+        raise ValueError("platform 'kubernetes' needs a `kubernetes` section")
+    spec = config.kubernetes
+    release = config.slots
+
+    namespace = ServingNamespace("specdeploy", ServingNamespaceArgs(spec=spec))
+    slots: dict[str, ReleaseSlot] = {}
+    for slot in SLOTS:
+        slot_spec = release.slot(slot)
+        if slot_spec is not None:
+            slots[slot] = ReleaseSlot(f"specdeploy-{slot}", ReleaseSlotArgs(
+                slot=slot,
+                spec=slot_spec,
+                config=config,
+                namespace=namespace.name,
+                service_account_name=namespace.service_account_name,
+            ))
+
+    routing = WeightedRouting("specdeploy", WeightedRoutingArgs(
+        config=config,
+        namespace=namespace.name,
+        slot_services={slot: component.service_name for slot, component in slots.items()},
+    ))
+    autoscaler = QueueAutoscaler("specdeploy", QueueAutoscalerArgs(
+        spec=spec,
+        namespace=namespace.name,
+        deployments={slot: component.deployment_name for slot, component in slots.items()},
+    ))
+    guards = ServingGuards("specdeploy", ServingGuardsArgs(config=config, namespace=namespace.name,
+                                                           slots=sorted(slots)))
+    observability = ServingObservability("specdeploy", ServingObservabilityArgs(config=config,
+                                                                                namespace=namespace.name))
+    return KubernetesStack(config, namespace, slots, routing, autoscaler, guards, observability)
+
+
+def deploy_kubernetes(config: StackConfig) -> dict[str, pulumi.Output]:
+    """Build the Kubernetes stack; returns its exports for `infra/__main__.py` to export."""
+    return build_kubernetes(config).exports()
