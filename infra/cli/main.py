@@ -22,6 +22,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "weights_cmd",
     "serve_cmd",
     "plan_cmd",
+    "release_cmd",
 )
 
 

@@ -1,0 +1,240 @@
+"""Fixtures for the release tests: a loopback moto_server with a weighted ALB and the stack's
+alarms, a fake slot server whose /ready and /metrics the test controls, and a stack file copy."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from infra.alerts import alert_rules
+from infra.config import STACKS_DIR, load_stack
+from serving import metric_names as m
+
+GREEN = {
+    "image": "123456789012.dkr.ecr.us-east-1.amazonaws.com/specdeploy-server@sha256:" + "4" * 64,
+    "model_version": "s3://acme-specdeploy-models-prod/llama-3.1-8b-instruct/2026-12-02",
+}
+ALARM_PREFIX = "specdeploy-prod-"
+RUNBOOKS = "https://example.com/runbooks"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint() -> Iterator[str]:
+    """One loopback moto_server for the session; each test resets it."""
+    port = _free_port()
+    binary = Path(sys.executable).with_name("moto_server")
+    proc = subprocess.Popen([str(binary), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("moto_server did not start") from None
+                time.sleep(0.1)
+        yield endpoint
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@dataclass
+class AwsRelease:
+    """What the fixture created in moto, plus a record of every AWS API call the code under test made."""
+
+    listener_arn: str
+    target_groups: dict[str, str]
+    alarm_names: list[str]
+    calls: list[str] = field(default_factory=list)  # "elasticloadbalancing.ModifyListener", ...
+
+    def weights(self) -> dict[str, int]:
+        import boto3
+
+        listener = boto3.client("elbv2").describe_listeners(ListenerArns=[self.listener_arn])["Listeners"][0]
+        groups = listener["DefaultActions"][0]["ForwardConfig"]["TargetGroups"]
+        by_arn = {g["TargetGroupArn"]: g["Weight"] for g in groups}
+        return {slot: by_arn[arn] for slot, arn in self.target_groups.items()}
+
+    def count(self, operation: str) -> int:
+        return sum(1 for call in self.calls if call.endswith(f".{operation}"))
+
+    def set_alarm(self, rule_name: str, state: str = "ALARM") -> None:
+        import boto3
+
+        boto3.client("cloudwatch").set_alarm_state(
+            AlarmName=f"{ALARM_PREFIX}{rule_name}", StateValue=state, StateReason=f"test set {state}")
+
+    def cli_args(self) -> list[str]:
+        return ["--listener-arn", self.listener_arn,
+                "--target-group", f"blue={self.target_groups['blue']}",
+                "--target-group", f"green={self.target_groups['green']}"]
+
+
+@pytest.fixture(scope="session")
+def aws_world(moto_endpoint: str) -> Iterator[AwsRelease]:
+    """Created once per session: an ALB whose listener forwards to blue/green target groups, a healthy
+    target in each, and one CloudWatch alarm per rule of the prod stack."""
+    import boto3
+
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": moto_endpoint, "MOTO_EC2_LOAD_DEFAULT_AMIS": "false"}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        for name in ("AWS_PROFILE", "SPECDEPLOY_LISTENER_ARN", "SPECDEPLOY_ALARM_PREFIX", "SPECDEPLOY_GREEN_ENDPOINT",
+                     "SPECDEPLOY_BLUE_ENDPOINT", "SPECDEPLOY_BLUE_TARGET_GROUP_ARN",
+                     "SPECDEPLOY_GREEN_TARGET_GROUP_ARN"):
+            patch.delenv(name, raising=False)
+        # A session of our own: the code under test creates its clients from boto3's default session.
+        boto3.setup_default_session(region_name="us-east-1")
+        ec2, elbv2, cloudwatch = boto3.client("ec2"), boto3.client("elbv2"), boto3.client("cloudwatch")
+        vpc = ec2.create_vpc(CidrBlock="10.0.0.0/16")["Vpc"]["VpcId"]
+        subnets = [ec2.create_subnet(VpcId=vpc, CidrBlock=f"10.0.{i}.0/24", AvailabilityZone=f"us-east-1{az}")
+                   ["Subnet"]["SubnetId"] for i, az in ((1, "a"), (2, "b"))]
+        lb = elbv2.create_load_balancer(Name="specdeploy-prod", Subnets=subnets, Scheme="internal",
+                                        Type="application")["LoadBalancers"][0]["LoadBalancerArn"]
+        groups = {slot: elbv2.create_target_group(
+            Name=f"specdeploy-prod-{slot}", Protocol="HTTP", Port=8000, VpcId=vpc, TargetType="instance",
+            HealthCheckPath="/ready")["TargetGroups"][0]["TargetGroupArn"] for slot in ("blue", "green")}
+        listener = elbv2.create_listener(
+            LoadBalancerArn=lb, Protocol="HTTP", Port=80,
+            DefaultActions=[{"Type": "forward", "ForwardConfig": {"TargetGroups": [
+                {"TargetGroupArn": groups["blue"], "Weight": 100},
+                {"TargetGroupArn": groups["green"], "Weight": 0}]}}],
+        )["Listeners"][0]["ListenerArn"]
+        instances = ec2.run_instances(ImageId="ami-12345678", MinCount=2, MaxCount=2, InstanceType="g5.xlarge",
+                                      SubnetId=subnets[0])["Instances"]
+        for slot, instance in zip(("blue", "green"), instances, strict=True):
+            elbv2.register_targets(TargetGroupArn=groups[slot], Targets=[{"Id": instance["InstanceId"], "Port": 8000}])
+        names = []
+        for rule in alert_rules(load_stack("prod").config):
+            name = f"{ALARM_PREFIX}{rule.name}"
+            cloudwatch.put_metric_alarm(
+                AlarmName=name, Namespace="Specdeploy", MetricName=rule.name, Statistic="Maximum", Period=60,
+                EvaluationPeriods=rule.for_minutes, Threshold=rule.threshold,
+                ComparisonOperator="GreaterThanThreshold", AlarmDescription=rule.description(RUNBOOKS))
+            names.append(name)
+        world = AwsRelease(listener, groups, names)
+
+        def record(event_name: str, **_: Any) -> None:
+            world.calls.append(event_name.removeprefix("before-call."))
+
+        boto3.DEFAULT_SESSION.events.register("before-call", record)  # type: ignore[union-attr]
+        yield world
+        boto3.DEFAULT_SESSION = None
+
+
+@pytest.fixture
+def aws_release(aws_world: AwsRelease) -> AwsRelease:
+    """The session's AWS world back at its starting point: 100 % blue, every alarm OK, no calls recorded."""
+    import boto3
+
+    boto3.client("elbv2").modify_listener(
+        ListenerArn=aws_world.listener_arn,
+        DefaultActions=[{"Type": "forward", "ForwardConfig": {"TargetGroups": [
+            {"TargetGroupArn": aws_world.target_groups["blue"], "Weight": 100},
+            {"TargetGroupArn": aws_world.target_groups["green"], "Weight": 0}]}}])
+    for name in aws_world.alarm_names:
+        boto3.client("cloudwatch").set_alarm_state(AlarmName=name, StateValue="OK", StateReason="fixture")
+    aws_world.calls.clear()
+    return aws_world
+
+
+@dataclass
+class SlotServer:
+    """A stand-in for one slot's server: /ready and a Prometheus /metrics the test moves."""
+
+    url: str = ""
+    ready: bool = True
+    ok_requests: int = 0
+    error_requests: int = 0
+    latencies: list[float] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def serve(self, requests: int, errors: int = 0, latency_s: float = 0.4) -> None:
+        """Pretend ``requests`` requests finished, ``errors`` of them with a 500."""
+        with self.lock:
+            self.ok_requests += requests - errors
+            self.error_requests += errors
+            self.latencies += [latency_s] * requests
+
+    def metrics(self) -> str:
+        with self.lock:
+            lines = [f'{m.REQUESTS}_total{{endpoint="/v1/chat/completions",status="200"}} {self.ok_requests}',
+                     f'{m.REQUESTS}_total{{endpoint="/v1/chat/completions",status="500"}} {self.error_requests}']
+            for le in (0.5, 1.0, 5.0, 10.0, 40.0, 80.0):
+                count = sum(1 for x in self.latencies if x <= le)
+                lines.append(f'{m.E2E}_bucket{{le="{le}"}} {count}')
+            lines.append(f'{m.E2E}_bucket{{le="+Inf"}} {len(self.latencies)}')
+            lines.append(f"{m.E2E}_count {len(self.latencies)}")
+        return "\n".join(lines) + "\n"
+
+
+@pytest.fixture
+def slot_server() -> Iterator[SlotServer]:
+    slot = SlotServer()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            if self.path == "/ready":
+                status, body = (200, b"ready") if slot.ready else (503, b"not ready")
+            elif self.path == "/metrics":
+                # Traffic keeps flowing to the slot while the gates watch it.
+                slot.serve(10)
+                status, body = 200, slot.metrics().encode()
+            else:
+                status, body = 404, b""
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    slot.url = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield slot
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+@pytest.fixture
+def prod_copy(tmp_path: Path) -> Path:
+    """stacks/Pulumi.prod.yaml copied into tmp_path with the green slot filled in (step 1 of rollout.md)."""
+    stacks = tmp_path / "stacks"
+    stacks.mkdir()
+    text = (STACKS_DIR / "Pulumi.prod.yaml").read_text(encoding="utf-8")
+    marker = "  specdeploy:apiKeys:"
+    green = "    green:\n" + "".join(f"      {k}: {v}\n" for k, v in GREEN.items())
+    assert marker in text
+    (stacks / "Pulumi.prod.yaml").write_text(text.replace(marker, green + marker), encoding="utf-8")
+    shutil.copy(STACKS_DIR / "Pulumi.k8s-prod.yaml", stacks / "Pulumi.k8s-prod.yaml")
+    return stacks

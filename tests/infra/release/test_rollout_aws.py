@@ -1,0 +1,237 @@
+"""`specdeploy rollout` / `rollback` end to end against a loopback moto_server (ALB + CloudWatch)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from infra.cli.main import main
+from infra.config import StackFile, load_stack
+from infra.release import validation
+from infra.release.gates import GateWatcher
+from infra.release.validation import ValidationOutcome
+
+from .conftest import ALARM_PREFIX, AwsRelease, SlotServer
+
+FAST = ["--observe", "0.5s", "--poll", "0.1s"]
+
+
+@pytest.fixture
+def validated(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Replace the launch validation with a recorder that passes; returns the endpoints it was run against."""
+    seen: list[str] = []
+
+    def fake(stack: StackFile, endpoint: str, report_dir: Path) -> ValidationOutcome:
+        seen.append(endpoint)
+        return ValidationOutcome(True, "12 checks passed")
+
+    monkeypatch.setattr(validation, "quick_validation", fake)
+    return seen
+
+
+def rollout(aws: AwsRelease, stacks: Path, slot: SlotServer, *extra: str) -> int:
+    return main(["rollout", "--stack", "prod", "--to", "green", "--stacks-dir", str(stacks),
+                 "--state-dir", str(stacks.parent / "state"), "--slot-endpoint", slot.url,
+                 "--alarm-prefix", ALARM_PREFIX, *aws.cli_args(), *FAST, *extra])
+
+
+def rollback(aws: AwsRelease, stacks: Path, *extra: str) -> int:
+    return main(["rollback", "--stack", "prod", "--stacks-dir", str(stacks), "--state-dir",
+                 str(stacks.parent / "state"), "--no-pulumi-up", *aws.cli_args(), *extra])
+
+
+def events(stacks: Path) -> list[dict[str, Any]]:
+    lines = (stacks.parent / "state" / "prod.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def release_of(stacks: Path) -> tuple[str, int]:
+    release = load_stack("prod", stacks).config.slots
+    return release.active, release.canary_weight
+
+
+def only_release_lines_changed(before: str, after: str) -> list[tuple[str, str]]:
+    old, new = before.splitlines(), after.splitlines()
+    assert len(old) == len(new)
+    return [(a, b) for a, b in zip(old, new, strict=True) if a != b]
+
+
+def when_weight(aws: AwsRelease, percent: int, action: Callable[[], None]) -> threading.Thread:
+    """Run ``action`` from another thread within the observe window of the step sending ``percent`` to green."""
+    def watch() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if aws.weights()["green"] == percent:
+                time.sleep(0.5)  # after the window's baseline scrape
+                action()
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_full_rollout_shifts_10_50_100_and_updates_the_stack_file(
+        aws_release: AwsRelease, prod_copy: Path, slot_server: SlotServer, validated: list[str],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    before = (prod_copy / "Pulumi.prod.yaml").read_text()
+    assert rollout(aws_release, prod_copy, slot_server) == 0
+    assert aws_release.weights() == {"blue": 0, "green": 100}
+    assert aws_release.count("ModifyListener") == 3
+    shifts = [e["weight"] for e in events(prod_copy) if e["event"] == "shift"]
+    assert shifts == [10, 50, 100]
+    assert validated == [slot_server.url]
+    assert release_of(prod_copy) == ("green", 0)
+    assert only_release_lines_changed(before, (prod_copy / "Pulumi.prod.yaml").read_text()) == [
+        ("    active: blue", "    active: green")]
+    out = capsys.readouterr().out
+    assert "git add" in out and "Pulumi.prod.yaml" in out
+
+
+def test_every_step_is_logged_as_json_lines(aws_release: AwsRelease, prod_copy: Path, slot_server: SlotServer,
+                                            validated: list[str]) -> None:
+    assert rollout(aws_release, prod_copy, slot_server) == 0
+    kinds = [e["event"] for e in events(prod_copy)]
+    assert kinds[0] == "alarms" and "start" in kinds and kinds[-1] == "done"
+    assert kinds.count("step_ok") == 3
+    checks = [e for e in events(prod_copy) if e["event"] == "gate_check"]
+    assert checks and all(c["ok"] for c in checks)
+    assert all(e["stack"] == "prod" and isinstance(e["ts"], float) for e in events(prod_copy))
+
+
+def test_alarm_mid_rollout_rolls_back_to_the_old_slot(
+        aws_release: AwsRelease, prod_copy: Path, slot_server: SlotServer, validated: list[str],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    before = (prod_copy / "Pulumi.prod.yaml").read_text()
+    watcher = when_weight(aws_release, 50, lambda: aws_release.set_alarm("SpecdeployHighErrorRate"))
+    assert rollout(aws_release, prod_copy, slot_server, "--observe", "2s") == 1
+    watcher.join()
+    assert aws_release.weights() == {"blue": 100, "green": 0}
+    assert [e["weight"] for e in events(prod_copy) if e["event"] == "shift"] == [10, 50]
+    rolled = [e for e in events(prod_copy) if e["event"] == "rollback"]
+    assert len(rolled) == 1 and rolled[0]["automatic"] and rolled[0]["at_weight"] == 50
+    assert f"{ALARM_PREFIX}SpecdeployHighErrorRate" in rolled[0]["reason"]
+    out = capsys.readouterr().out
+    assert "rolled back" in out and "SpecdeployHighErrorRate is ALARM" in out
+    assert release_of(prod_copy) == ("blue", 0)
+    assert (prod_copy / "Pulumi.prod.yaml").read_text() == before
+
+
+def test_error_rate_on_the_new_slot_rolls_back_before_any_alarm(
+        aws_release: AwsRelease, prod_copy: Path, slot_server: SlotServer, validated: list[str],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    when_weight(aws_release, 10, lambda: slot_server.serve(100, errors=30))
+    assert rollout(aws_release, prod_copy, slot_server, "--observe", "2s") == 1
+    assert aws_release.weights() == {"blue": 100, "green": 0}
+    assert "green error rate" in capsys.readouterr().out
+    assert release_of(prod_copy) == ("blue", 0)
+
+
+def test_slow_new_slot_rolls_back_on_p99(aws_release: AwsRelease, prod_copy: Path, slot_server: SlotServer,
+                                         validated: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    when_weight(aws_release, 10, lambda: slot_server.serve(200, latency_s=60.0))
+    assert rollout(aws_release, prod_copy, slot_server, "--observe", "2s") == 1
+    assert "P99 latency" in capsys.readouterr().out
+    assert aws_release.weights() == {"blue": 100, "green": 0}
+
+
+def test_failed_validation_moves_no_traffic(aws_release: AwsRelease, prod_copy: Path, slot_server: SlotServer,
+                                            monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(validation, "quick_validation",
+                        lambda *a: ValidationOutcome(False, "test_long_input_works failed", "r/report.html"))
+    assert rollout(aws_release, prod_copy, slot_server) == 1
+    assert aws_release.count("ModifyListener") == 0
+    assert "launch validation failed on green: test_long_input_works failed" in capsys.readouterr().out
+    assert release_of(prod_copy) == ("blue", 0)
+
+
+def test_unready_slot_is_refused_before_validation(aws_release: AwsRelease, prod_copy: Path,
+                                                   slot_server: SlotServer, validated: list[str]) -> None:
+    slot_server.ready = False
+    assert rollout(aws_release, prod_copy, slot_server) == 1
+    assert validated == [] and aws_release.count("ModifyListener") == 0
+
+
+def test_alarm_already_firing_refuses_to_start(aws_release: AwsRelease, prod_copy: Path, slot_server: SlotServer,
+                                               validated: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    aws_release.set_alarm("SpecdeployQueueBacklog")
+    assert rollout(aws_release, prod_copy, slot_server) == 1
+    assert aws_release.count("ModifyListener") == 0
+    assert "already firing" in capsys.readouterr().out
+
+
+def test_rollback_flips_all_traffic_in_one_api_call(aws_release: AwsRelease, prod_copy: Path,
+                                                    slot_server: SlotServer, validated: list[str],
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    assert rollout(aws_release, prod_copy, slot_server) == 0
+    aws_release.calls.clear()
+    assert rollback(aws_release, prod_copy) == 0
+    assert aws_release.count("ModifyListener") == 1
+    mutating = [c for c in aws_release.calls if not c.split(".")[-1].startswith("Describe")]
+    assert mutating == ["elastic-load-balancing-v2.ModifyListener"]
+    assert aws_release.weights() == {"blue": 100, "green": 0}
+    assert release_of(prod_copy) == ("blue", 0)
+    out = capsys.readouterr().out
+    assert "pulumi up --stack prod" in out and "git add" in out
+
+
+def test_interrupted_rollout_resumes_from_its_last_step(
+        aws_release: AwsRelease, prod_copy: Path, slot_server: SlotServer, validated: list[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    interrupt_at_50(monkeypatch)
+    assert rollout(aws_release, prod_copy, slot_server) == 130
+    assert aws_release.weights() == {"blue": 50, "green": 50}
+    assert release_of(prod_copy) == ("blue", 0)
+    monkeypatch.undo()
+    monkeypatch.setattr(validation, "quick_validation", lambda *a: pytest.fail("validated twice"))
+    assert rollout(aws_release, prod_copy, slot_server) == 2  # refuses to start over the interrupted one
+    aws_release.calls.clear()
+    assert rollout(aws_release, prod_copy, slot_server, "--resume") == 0
+    assert aws_release.count("ModifyListener") == 2  # 50 (observed again) and 100
+    assert aws_release.weights() == {"blue": 0, "green": 100}
+    assert release_of(prod_copy) == ("green", 0)
+
+
+def test_interrupted_rollout_can_be_rolled_back(
+        aws_release: AwsRelease, prod_copy: Path, slot_server: SlotServer, validated: list[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    interrupt_at_50(monkeypatch)
+    assert rollout(aws_release, prod_copy, slot_server) == 130
+    aws_release.calls.clear()
+    assert rollback(aws_release, prod_copy) == 0
+    assert aws_release.count("ModifyListener") == 1
+    assert aws_release.weights() == {"blue": 100, "green": 0}
+    assert release_of(prod_copy) == ("blue", 0)
+    state = json.loads((prod_copy.parent / "state" / "prod.state.json").read_text())
+    assert state["phase"] == "rolled_back"
+    assert rollout(aws_release, prod_copy, slot_server, "--resume") == 2  # nothing left to resume
+
+
+def test_rollout_held_at_a_canary_records_the_weight(aws_release: AwsRelease, prod_copy: Path,
+                                                     slot_server: SlotServer, validated: list[str]) -> None:
+    assert rollout(aws_release, prod_copy, slot_server, "--steps", "10") == 0
+    assert aws_release.weights() == {"blue": 90, "green": 10}
+    assert release_of(prod_copy) == ("blue", 10)
+    assert rollback(aws_release, prod_copy) == 0  # a committed canary is removed
+    assert aws_release.weights() == {"blue": 100, "green": 0}
+    assert release_of(prod_copy) == ("blue", 0)
+
+
+def interrupt_at_50(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while the 50 % step is being observed."""
+    original = GateWatcher.observe
+
+    def observe(self: GateWatcher, slot: str, weight: int, seconds: float) -> str | None:
+        if weight == 50:
+            raise KeyboardInterrupt
+        return original(self, slot, weight, seconds)
+
+    monkeypatch.setattr(GateWatcher, "observe", observe)
