@@ -21,6 +21,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "config_cmd",
     "weights_cmd",
     "serve_cmd",
+    "local_cmd",
     "plan_cmd",
     "release_cmd",
 )

@@ -1,10 +1,9 @@
-"""A tiny random Llama with the demo tokenizer, pushed to a file:// store, served by real
+"""The tiny random Llama (tests/conftest.py) pushed to a file:// store, served by real
 `specdeploy serve` processes on loopback. No fake engine: every test here talks HTTP to the real one."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -19,7 +18,6 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[3]
-DEMO_TOKENIZER = REPO / "serving" / "demo" / "tokenizer"
 MODEL_NAME = "tiny"
 KEYS = {"alice": "alice-secret-key-0123456789", "bob": "bob-secret-key-abcdefghij", "slow": "slow-secret-key-zyxwvu98"}
 SLOW_KEY_RPM = 2
@@ -31,36 +29,13 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def save_tiny_chat_model(path: Path) -> Path:
-    """Random weights (vocab of the demo tokenizer), the demo tokenizer and a chat template."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False,
-                         initializer_range=0.1)
-    LlamaForCausalLM(config).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(DEMO_TOKENIZER / name, path / name)
-    (path / "chat_template.jinja").write_text(
-        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-        "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-    )
-    return path
-
-
 @pytest.fixture(scope="session")
-def model_store(tmp_path_factory: pytest.TempPathFactory) -> str:
+def model_store(tmp_path_factory: pytest.TempPathFactory, tiny_chat_model: Path) -> str:
     """file:// URI of the tiny model version (pushed with its manifest)."""
     from serving.weights import push
 
-    root = tmp_path_factory.mktemp("weights")
-    model = save_tiny_chat_model(root / "src")
-    uri = f"file://{root / 'store' / 'tiny' / 'v1'}"
-    push(model, uri)
+    uri = f"file://{tmp_path_factory.mktemp('weights') / 'store' / 'tiny' / 'v1'}"
+    push(tiny_chat_model, uri)
     return uri
 
 
