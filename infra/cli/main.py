@@ -23,7 +23,10 @@ COMMAND_MODULES: tuple[str, ...] = (
     "serve_cmd",
     "local_cmd",
     "plan_cmd",
+    "preview_cmd",
     "release_cmd",
+    "bench_cmd",
+    "validate_cmd",
 )
 
 

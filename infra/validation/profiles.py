@@ -1,0 +1,59 @@
+"""How long and how hard each validation profile pushes a deployment.
+
+- quick: minutes; the CI gate and `make demo` (a 2-core CPU with the demo model must finish it in
+  about three minutes). Too short to prove stability; it proves the machinery and catches gross faults.
+- standard: the guide's launch bar: a concurrency sweep and >= 15 minutes of sustained load
+  (guide-planning-launch-operations, 八.2), an A/B over all four prompt sets with three repeats.
+- soak: the same, sustained for hours (guide-deploy-and-speculative-decoding, 七.4: 不低于数小时).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    max_tokens: int  # cap on each request's output budget
+    sweep_concurrency: tuple[int, ...]  # closed-loop levels of the sweep (clipped to max_concurrency)
+    sweep_requests_per_worker: int  # requests per worker at each level
+    open_loop_s: float  # Poisson phase at 80 % of the measured capacity at target concurrency
+    sustained_s: float  # closed loop at target concurrency: sustained SLO figures and stability
+    ab_prompt_sets: tuple[str, ...]
+    ab_concurrency: tuple[int, ...]  # low and high load (clipped to max_concurrency)
+    ab_repeats: int
+    ab_requests_per_worker: int
+    sample_interval_s: float  # /metrics polling during load
+    warmup_fraction: float = 0.2  # share of the sustained run left out of the memory trend
+
+    def levels(self, values: tuple[int, ...], max_concurrency: int, target: int) -> tuple[int, ...]:
+        """The profile's levels within the server's limit, always including the SLO target."""
+        return tuple(sorted({min(v, max_concurrency) for v in values} | {min(target, max_concurrency)}))
+
+
+PROFILES: dict[str, Profile] = {
+    "quick": Profile(
+        name="quick", max_tokens=32, sweep_concurrency=(1, 4), sweep_requests_per_worker=2,
+        open_loop_s=10, sustained_s=30, ab_prompt_sets=("code", "writing"), ab_concurrency=(1, 8),
+        ab_repeats=2, ab_requests_per_worker=2, sample_interval_s=1.0,
+    ),
+    "standard": Profile(
+        name="standard", max_tokens=128, sweep_concurrency=(1, 2, 4, 8, 16, 32), sweep_requests_per_worker=4,
+        open_loop_s=120, sustained_s=15 * 60, ab_prompt_sets=("code", "chat", "extraction", "writing"),
+        ab_concurrency=(1, 4, 16), ab_repeats=3, ab_requests_per_worker=4, sample_interval_s=2.0,
+    ),
+    "soak": Profile(
+        name="soak", max_tokens=128, sweep_concurrency=(1, 4, 16), sweep_requests_per_worker=4,
+        open_loop_s=300, sustained_s=4 * 3600, ab_prompt_sets=("code", "chat", "extraction", "writing"),
+        ab_concurrency=(1, 4, 16), ab_repeats=3, ab_requests_per_worker=4, sample_interval_s=10.0,
+        warmup_fraction=0.05,
+    ),
+}
+
+
+def get_profile(name: str) -> Profile:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ValueError(f"unknown profile {name!r}; choose one of {', '.join(PROFILES)}") from None

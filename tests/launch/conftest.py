@@ -1,0 +1,421 @@
+"""Launch validation: the guides' checklist against one running deployment.
+
+    SPECDEPLOY_API_KEY=... pytest tests/launch -m launch --endpoint http://10.0.1.5:8000 \
+        --stack prod --profile standard --hosts ssh://ubuntu@10.0.1.5 --report reports/prod
+
+or ``specdeploy validate --stack NAME``. Without --endpoint every launch check is skipped (this
+directory is also collected by the project's own test run). Expensive load (the concurrency
+sweep, the sustained run, the speculative A/B) runs once per session in fixtures; the checks are
+flat tests that each state one fact about those measurements, the endpoint or a host.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import httpx
+import pytest
+
+from infra.validation.profiles import PROFILES, Profile, get_profile
+from infra.validation.record import GROUPS, CheckOutcome, LaunchRun
+
+API_KEY_ENV = "SPECDEPLOY_API_KEY"
+_RUN_KEY = pytest.StashKey[LaunchRun]()
+_PATHS_KEY = pytest.StashKey[dict[str, Path]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("launch", "specdeploy launch validation")
+    group.addoption("--endpoint", default=None, help="base URL of the deployment (load balancer, ingress or server)")
+    group.addoption("--stack", default="local", help="stack whose SLOs, limits and paths apply (default: local)")
+    group.addoption("--profile", default="quick", choices=sorted(PROFILES), help="how long and hard to load it")
+    group.addoption("--report", default=None, metavar="DIR", help="write report.html, report.json, summary.md here")
+    group.addoption("--ab-endpoint", default=None,
+                    help="other arm of the speculative A/B: the same deployment with speculative.enabled flipped "
+                         "(e.g. the idle release slot); for local stacks the suite starts it itself")
+    group.addoption("--model-dir", default=None, help="model version directory on the hosts (default: from the stack)")
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    endpoint: str | None
+    stack: str
+    profile: Profile
+    report: Path | None
+    ab_endpoint: str | None
+    model_dir: str | None
+
+
+def launch_options(config: pytest.Config) -> LaunchOptions:
+    report = config.getoption("report", None)
+    return LaunchOptions(
+        endpoint=(config.getoption("endpoint", None) or "").rstrip("/") or None,
+        stack=config.getoption("stack", None) or "local",
+        profile=get_profile(config.getoption("profile", None) or "quick"),
+        report=Path(report) if report else None,
+        ab_endpoint=config.getoption("ab_endpoint", None),
+        model_dir=config.getoption("model_dir", None),
+    )
+
+
+def stack_config(config: pytest.Config) -> Any:
+    from infra.config import load_stack
+
+    return load_stack(launch_options(config).stack).config
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Parametrize from the stack and profile: one test per prompt set, level, alert series, model."""
+    names = metafunc.fixturenames
+    if not any(n in names for n in ("prompt_set", "sweep_level", "alert_series", "model_role", "ab_cell")):
+        return
+    options = launch_options(metafunc.config)
+    config = stack_config(metafunc.config)
+    profile = options.profile
+    if "prompt_set" in names:
+        from serving.demo.prompts import CATEGORIES
+
+        metafunc.parametrize("prompt_set", CATEGORIES)
+    if "sweep_level" in names:
+        levels = profile.levels(profile.sweep_concurrency, config.scheduler.max_concurrency,
+                                config.slo.target_concurrency)
+        metafunc.parametrize("sweep_level", levels, ids=[f"c{c}" for c in levels])
+    if "alert_series" in names:
+        from infra.alerts import alert_rules
+
+        pairs = sorted({(rule.name, series) for rule in alert_rules(config) for series in rule.server_metrics})
+        metafunc.parametrize("alert_series", pairs, ids=[f"{r}-{s}" for r, s in pairs])
+    if "model_role" in names:
+        metafunc.parametrize("model_role", ["target", "draft"] if config.draft is not None else ["target"])
+    if "ab_cell" in names:
+        levels = profile.levels(profile.ab_concurrency, config.scheduler.max_concurrency, 1)
+        cells = [(ps, c) for ps in profile.ab_prompt_sets for c in levels]
+        metafunc.parametrize("ab_cell", cells, ids=[f"{ps}-c{c}" for ps, c in cells])
+
+
+# --- the run record and the report ----------------------------------------------------------------
+
+
+def _group_of(nodeid: str) -> str:
+    module = Path(nodeid.split("::", 1)[0]).stem.removeprefix("test_")
+    return module if module in GROUPS else "other"
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    run = _stashed_run(report)
+    if run is None:
+        return
+    if report.when == "call" or (report.when == "setup" and not report.passed):
+        message = ""
+        if report.skipped and isinstance(report.longrepr, tuple):
+            message = str(report.longrepr[2])
+        elif report.failed:
+            message = report.longreprtext.strip().splitlines()[-1] if report.longreprtext else "failed"
+        run.checks.append(CheckOutcome(report.nodeid, _group_of(report.nodeid), report.outcome, message,
+                                       report.duration))
+
+
+_SESSION_CONFIG: list[pytest.Config] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _SESSION_CONFIG.append(config)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if config in _SESSION_CONFIG:
+        _SESSION_CONFIG.remove(config)
+
+
+def _stashed_run(_: object) -> LaunchRun | None:
+    for config in _SESSION_CONFIG:
+        run = config.stash.get(_RUN_KEY, None)
+        if run is not None:
+            return run
+    return None
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    options = launch_options(session.config)
+    if options.endpoint is None:
+        return
+    config = stack_config(session.config)
+    from infra.validation.loadgen import SloTargets
+
+    run = LaunchRun(stack=options.stack, endpoint=options.endpoint, profile=options.profile.name,
+                    slo=config.slo.model_dump(), targets=SloTargets.from_stack(config.slo),
+                    target_concurrency=min(config.slo.target_concurrency, config.scheduler.max_concurrency),
+                    warmup_fraction=options.profile.warmup_fraction)
+    session.config.stash[_RUN_KEY] = run
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    run = session.config.stash.get(_RUN_KEY, None)
+    options = launch_options(session.config)
+    if run is None or options.report is None:
+        return
+    from infra.validation.report import write_report
+
+    run.finished_at = time.time()
+    session.config.stash[_PATHS_KEY] = write_report(run, options.report)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    run = config.stash.get(_RUN_KEY, None)
+    if run is None:
+        return
+    counts = run.counts()
+    terminalreporter.section("specdeploy launch validation")
+    terminalreporter.write_line(f"gate: {'PASS' if run.passed else 'FAIL'} ({counts['passed']} passed, "
+                                f"{counts['failed']} failed, {counts['skipped']} skipped)")
+    if run.recommendation is not None:
+        rec = run.recommendation
+        terminalreporter.write_line(f"speculative decoding: {'enable' if rec['enabled'] else 'disable'} "
+                                    f"({rec['reason']})")
+    paths = config.stash.get(_PATHS_KEY, None)
+    if paths:
+        terminalreporter.write_line(f"report: {paths['html']}")
+
+
+# --- fixtures --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def options(request: pytest.FixtureRequest) -> LaunchOptions:
+    return launch_options(request.config)
+
+
+@pytest.fixture(scope="session")
+def endpoint(options: LaunchOptions) -> str:
+    if options.endpoint is None:
+        pytest.skip("no --endpoint: launch checks run against a deployment (specdeploy validate --stack NAME)")
+    return options.endpoint
+
+
+@pytest.fixture(scope="session")
+def launch_run(request: pytest.FixtureRequest, endpoint: str) -> LaunchRun:
+    return request.config.stash[_RUN_KEY]
+
+
+@pytest.fixture(scope="session")
+def stack(request: pytest.FixtureRequest) -> Any:
+    """The validated StackConfig of --stack."""
+    return stack_config(request.config)
+
+
+@pytest.fixture(scope="session")
+def profile(options: LaunchOptions) -> Profile:
+    return options.profile
+
+
+@pytest.fixture(scope="session")
+def api_key() -> str | None:
+    return os.environ.get(API_KEY_ENV) or None
+
+
+@pytest.fixture(scope="session")
+def http(endpoint: str, api_key: str | None) -> Iterator[httpx.Client]:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(base_url=endpoint, headers=headers, timeout=300) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def model_name(http: httpx.Client) -> str:
+    response = http.get("/v1/models")
+    response.raise_for_status()
+    return str(response.json()["data"][0]["id"])
+
+
+@pytest.fixture(scope="session")
+def server_port(endpoint: str, stack: Any) -> int:
+    """The port the server process listens on: the endpoint's own for a local stack (the endpoint
+    is the server), the stack's service.port behind a load balancer or ingress."""
+    if stack.platform == "local":
+        parsed = urlparse(endpoint)
+        return parsed.port or (443 if parsed.scheme == "https" else 80)
+    return int(stack.service.port)
+
+
+@pytest.fixture(scope="session")
+def listen_address(stack: Any) -> str:
+    """Where the server must listen: loopback for the local platform, all interfaces of a private
+    instance or pod otherwise (the security group / NetworkPolicy is the boundary there)."""
+    return str(stack.local.host) if stack.platform == "local" else "0.0.0.0"
+
+
+@pytest.fixture(scope="session")
+def server_pids(request: pytest.FixtureRequest, server_port: int) -> Any:
+    """A function returning {testinfra host spec: pid listening on the server port} for --hosts."""
+    import testinfra
+
+    from infra.validation.local_server import parse_ss
+
+    specs = [s for s in (request.config.getoption("hosts", None) or "local://").split(",") if s]
+
+    def current() -> dict[str, int | None]:
+        pids: dict[str, int | None] = {}
+        for spec in specs:
+            output = testinfra.get_host(spec).run("ss -H -ltnp").stdout
+            found = sorted({e.pid for e in parse_ss(output) if e.port == server_port and e.pid is not None})
+            pids[spec] = found[0] if len(found) == 1 else None
+        return pids
+
+    return current
+
+
+@pytest.fixture(scope="session")
+def server_pids_before_load(server_pids: Any) -> dict[str, int | None]:
+    return dict(server_pids())
+
+
+# --- load: each measured once per session ----------------------------------------------------------
+
+
+def _generator(endpoint: str, api_key: str | None, profile: Profile) -> Any:
+    from infra.validation.loadgen import LoadGenerator
+
+    return LoadGenerator(endpoint, api_key, sample_interval_s=profile.sample_interval_s)
+
+
+@pytest.fixture(scope="session")
+def workloads(profile: Profile) -> list[Any]:
+    from infra.validation.loadgen import load_workloads
+
+    return load_workloads(max_tokens=profile.max_tokens)
+
+
+@pytest.fixture(scope="session")
+def sweep(launch_run: LaunchRun, endpoint: str, api_key: str | None, profile: Profile, stack: Any,
+          workloads: list[Any], server_pids_before_load: dict[str, int | None]) -> dict[int, Any]:
+    """Closed-loop phases at each concurrency level of the profile, all prompt sets mixed."""
+    from infra.validation.loadgen import run
+
+    levels = profile.levels(profile.sweep_concurrency, stack.scheduler.max_concurrency, stack.slo.target_concurrency)
+
+    async def measure() -> dict[int, Any]:
+        phases = {}
+        async with _generator(endpoint, api_key, profile) as gen:
+            await gen.closed_loop("warm-up", workloads, 1, num_requests=2)
+            for level in levels:
+                phases[level] = await gen.closed_loop(
+                    f"sweep c={level}", workloads, level,
+                    num_requests=max(4, level * profile.sweep_requests_per_worker))
+        return phases
+
+    phases: dict[int, Any] = run(measure())
+    launch_run.sweep = list(phases.values())
+    return phases
+
+
+@pytest.fixture(scope="session")
+def open_loop(launch_run: LaunchRun, sweep: dict[int, Any], endpoint: str, api_key: str | None, profile: Profile,
+              workloads: list[Any]) -> Any:
+    """Poisson arrivals at 80 % of the request rate the sweep measured at target concurrency."""
+    from infra.validation.loadgen import run
+
+    target = launch_run.target_concurrency
+    capacity = sweep[target].summary()["request_throughput_rps"]
+    rate = max(0.05, 0.8 * capacity)
+
+    async def measure() -> Any:
+        async with _generator(endpoint, api_key, profile) as gen:
+            return await gen.open_loop(f"open loop {rate:.2f} req/s", workloads, rate, profile.open_loop_s)
+
+    phase = run(measure())
+    launch_run.open_loop = phase
+    return phase
+
+
+@pytest.fixture(scope="session")
+def sustained(launch_run: LaunchRun, endpoint: str, api_key: str | None, profile: Profile,
+              workloads: list[Any], server_pids_before_load: dict[str, int | None]) -> Any:
+    """Closed loop at the SLO's target concurrency for the profile's sustained duration."""
+    from infra.validation.loadgen import run
+
+    target = launch_run.target_concurrency
+
+    async def measure() -> Any:
+        async with _generator(endpoint, api_key, profile) as gen:
+            return await gen.closed_loop(f"sustained c={target} {profile.sustained_s / 60:.1f} min", workloads,
+                                         target, duration_s=profile.sustained_s)
+
+    phase = run(measure())
+    launch_run.sustained = phase
+    return phase
+
+
+def _spec_enabled(endpoint: str, api_key: str | None) -> bool:
+    """A server exports the speculation counters only when speculation is on."""
+    from infra.validation import prom
+    from serving import metric_names
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    text = httpx.get(f"{endpoint}/metrics", headers=headers, timeout=30).text
+    return f"{metric_names.SPEC_DRAFTS}_total" in prom.series_names(text)
+
+
+@pytest.fixture(scope="session")
+def ab_arms(options: LaunchOptions, endpoint: str, api_key: str | None, stack: Any, server_port: int,
+            launch_run: LaunchRun, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, str]]:
+    """(spec-on endpoint, spec-off endpoint, how they were obtained) for the A/B."""
+    deployed_on = _spec_enabled(endpoint, api_key)
+    if options.ab_endpoint:
+        other = options.ab_endpoint.rstrip("/")
+        if _spec_enabled(other, api_key) == deployed_on:
+            pytest.fail(f"--ab-endpoint {other} has speculation {'on' if deployed_on else 'off'} like --endpoint")
+        method = "two servers given on the command line (--endpoint, --ab-endpoint), same build and weights"
+        yield (endpoint, other, method) if deployed_on else (other, endpoint, method)
+        return
+    if stack.platform != "local":
+        pytest.skip("no --ab-endpoint: on a cloud stack fill the idle release slot with speculation flipped "
+                    "and pass its URL")
+    from infra.validation.local_server import TwinUnavailable, listeners_on, start_twin
+
+    pids = {entry.pid for entry in listeners_on(server_port) if entry.pid is not None}
+    if len(pids) != 1:
+        pytest.skip(f"cannot tell which local process serves port {server_port} (found {sorted(pids)})")
+    flipped = "false" if deployed_on else "true"
+    log = tmp_path_factory.mktemp("ab") / "twin.log"
+    try:
+        twin = start_twin(pids.pop(), {"SPECDEPLOY__SPECULATIVE__ENABLED": flipped}, log)
+    except TwinUnavailable as exc:
+        pytest.skip(f"no A/B possible: {exc}")
+    method = (f"two servers on this host: the deployed one and a twin started from its config file and "
+              f"environment with only SPECDEPLOY__SPECULATIVE__ENABLED={flipped} (port {twin.port}); the "
+              f"server has no runtime switch, and a twin changes exactly one setting. Phases alternate ABBA, "
+              f"one server loaded at a time")
+    launch_run.notes.append(f"A/B: {method}.")
+    try:
+        yield (endpoint, twin.endpoint, method) if deployed_on else (twin.endpoint, endpoint, method)
+    finally:
+        twin.stop()
+
+
+@pytest.fixture(scope="session")
+def ab_result(launch_run: LaunchRun, ab_arms: tuple[str, str, str], api_key: str | None, profile: Profile,
+              stack: Any) -> Any:
+    from infra.validation.abtest import run_ab
+    from infra.validation.loadgen import load_workloads, run
+
+    on_url, off_url, method = ab_arms
+    levels = profile.levels(profile.ab_concurrency, stack.scheduler.max_concurrency, 1)
+    by_set = {ps: load_workloads([ps], profile.max_tokens) for ps in profile.ab_prompt_sets}
+
+    async def measure() -> Any:
+        async with _generator(on_url, api_key, profile) as on, _generator(off_url, api_key, profile) as off:
+            for gen in (on, off):  # warm both arms before anything is timed
+                await gen.closed_loop("A/B warm-up", by_set[profile.ab_prompt_sets[0]], 1, num_requests=2)
+            return await run_ab(on, off, by_set, levels, profile.ab_repeats, profile.ab_requests_per_worker,
+                                method=method)
+
+    result = run(measure())
+    launch_run.ab = result
+    launch_run.recommendation = result.recommendation(launch_run.target_concurrency)
+    return result

@@ -1,0 +1,73 @@
+"""6. Observability: every series the alerts read is exported; on the cloud every alarm links its runbook.
+
+Guide: 八.4 (dashboards complete, alerts reach someone) and 九 (GPU, memory, P99, error-rate alerts).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from infra.config import REPO_ROOT
+from infra.validation import prom
+from serving import metric_names
+
+pytestmark = pytest.mark.launch
+
+_GPU_SERIES = {metric_names.GPU_MEMORY_USED, metric_names.GPU_MEMORY_TOTAL, metric_names.GPU_UTILIZATION}
+
+
+@pytest.fixture(scope="module")
+def exported(http: httpx.Client, model_name: str) -> set[str]:
+    """Series on /metrics after at least one request (request counters appear with their first sample)."""
+    http.post("/v1/completions", json={"model": model_name, "prompt": "def main():", "max_tokens": 2})
+    response = http.get("/metrics")
+    assert response.status_code == 200, response.text[:300]
+    return prom.series_names(response.text)
+
+
+def test_metrics_page_is_prometheus_text(http: httpx.Client) -> None:
+    response = http.get("/metrics")
+    assert response.headers["content-type"].startswith("text/plain"), response.headers["content-type"]
+    assert prom.parse(response.text), "no samples on /metrics"
+
+
+def test_metrics_export_every_series_an_alert_reads(exported: set[str], alert_series: tuple[str, str],
+                                                    host: Any) -> None:
+    rule, series = alert_series
+    base = series.removesuffix("_bucket").removesuffix("_total")
+    if base in _GPU_SERIES and not host.exists("nvidia-smi"):
+        pytest.skip(f"{series} ({rule}) is a GPU series and this is a CPU host")
+    assert series in exported, f"alert {rule} reads {series}, which /metrics does not export"
+
+
+def _alarms(stack_name: str) -> list[dict[str, Any]]:
+    import boto3
+
+    from infra.config import load_stack
+
+    region = load_stack(stack_name).providers.get("aws:region")
+    client = boto3.client("cloudwatch", region_name=region)
+    alarms: list[dict[str, Any]] = []
+    for page in client.get_paginator("describe_alarms").paginate(AlarmNamePrefix="Specdeploy"):
+        alarms += page["MetricAlarms"]
+    return alarms
+
+
+def test_every_alarm_links_its_runbook(stack: Any, options: Any) -> None:
+    if stack.platform != "aws":
+        pytest.skip(f"{stack.platform} stack: no CloudWatch alarms (PrometheusRule annotations carry runbook_url)")
+    from infra.alerts import alert_rules
+
+    alarms = {a["AlarmName"]: a for a in _alarms(options.stack)}
+    base = stack.alerting.runbook_base_url
+    missing = []
+    for rule in alert_rules(stack):
+        alarm = next((a for name, a in alarms.items() if name.endswith(rule.name)), None)
+        if alarm is None or rule.runbook_url(base) not in alarm.get("AlarmDescription", ""):
+            missing.append(rule.name)
+        elif not (REPO_ROOT / "runbooks" / f"{rule.name}.md").is_file():
+            missing.append(f"{rule.name} (runbooks/{rule.name}.md absent)")
+    assert not missing, f"alarms without a runbook link: {missing}"

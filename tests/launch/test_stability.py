@@ -1,0 +1,66 @@
+"""5. Stability: sustained load without a leak trend, OOM, restart or bunched errors; alarms armed.
+
+Guides: 七.4 (hours without OOM or leak trend, no clustered error logs, alerts in force) and
+八.3 (memory curve flat under sustained load; slow growth means a leak or an unbounded cache).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from infra.validation.stats import error_clustering
+
+pytestmark = pytest.mark.launch
+
+
+def test_memory_has_no_upward_trend_under_sustained_load(sustained: Any, launch_run: Any) -> None:
+    trend = launch_run.memory_trend()
+    assert trend is not None, "too few memory samples during the sustained run"
+    limit = launch_run.slo["memory_slope_mb_per_min"]
+    assert trend["slope_mib_per_min"] <= limit, (
+        f"RSS grows {trend['slope_mib_per_min']:+.2f} MiB/min under load (limit {limit:g}): "
+        "a leak or an unbounded cache")
+
+
+def test_no_request_is_lost_to_a_crash_or_oom(sustained: Any) -> None:
+    lost = [r for r in sustained.records if r.status in (0, 502, 503, 599)]
+    assert not lost, f"{len(lost)} requests lost to connection errors or broken streams: {lost[0].error}"
+
+
+def test_server_process_was_not_restarted_by_the_load(sustained: Any, server_pids_before_load: dict[str, int],
+                                                      server_pids: Any) -> None:
+    after = server_pids()
+    changed = {spec: (pid, after.get(spec)) for spec, pid in server_pids_before_load.items() if after.get(spec) != pid}
+    assert not changed, f"server process replaced during the run (crash, OOM kill or restart): {changed}"
+
+
+def test_errors_are_not_clustered_in_time(sustained: Any) -> None:
+    times = [r.start_s for r in sustained.records if not r.ok]
+    clustering = error_clustering(times, 0.0, sustained.duration_s)
+    assert not clustering.clustered, (f"{clustering.busiest_share:.0%} of {clustering.errors} errors fall in one "
+                                      f"tenth of the run: an incident, not noise")
+
+
+def test_server_is_healthy_after_sustained_load(sustained: Any, endpoint: str) -> None:
+    assert httpx.get(f"{endpoint}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{endpoint}/ready", timeout=10).status_code == 200
+
+
+def test_cloud_alarms_exist_and_are_ok(stack: Any, options: Any) -> None:
+    if stack.platform != "aws":
+        pytest.skip(f"{stack.platform} stack: no CloudWatch alarms to check")
+    import boto3
+
+    from infra.alerts import alert_rules
+    from infra.config import load_stack
+
+    region = load_stack(options.stack).providers.get("aws:region")
+    pages = boto3.client("cloudwatch", region_name=region).get_paginator("describe_alarms").paginate()
+    alarms = {a["AlarmName"]: a for page in pages for a in page["MetricAlarms"]}
+    for rule in alert_rules(stack):
+        match = [a for name, a in alarms.items() if name.endswith(rule.name)]
+        assert match, f"alarm {rule.name} does not exist"
+        assert all(a["StateValue"] == "OK" for a in match), f"alarm {rule.name} is {match[0]['StateValue']}"
