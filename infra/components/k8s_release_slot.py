@@ -117,10 +117,15 @@ class ReleaseSlot(pulumi.ComponentResource):
             draft_path=draft_dir,
             api_keys_file=f"{SECRETS_DIR}/{API_KEYS_SECRET_KEY}",
         ).to_yaml()
+        config_sha = hashlib.sha256(server_yaml.encode()).hexdigest()
+        # Immutable and named by content: a change is a new ConfigMap the Deployment rolls onto,
+        # never an edit under running pods.
         self.config_map = k8s.core.v1.ConfigMap(
             f"{name}-config",
-            metadata={"name": f"{object_name}-config", "namespace": args.namespace, "labels": labels},
+            metadata={"name": f"{object_name}-config-{config_sha[:10]}", "namespace": args.namespace,
+                      "labels": labels},
             data={SERVER_CONFIG_FILE: server_yaml},
+            immutable=True,
             opts=child,
         )
 
@@ -238,12 +243,7 @@ class ReleaseSlot(pulumi.ComponentResource):
                 "strategy": {"type": "RollingUpdate", "rolling_update": {"max_surge": 1, "max_unavailable": 0}},
                 "progress_deadline_seconds": startup_budget + 600,
                 "template": {
-                    "metadata": {
-                        "labels": labels,
-                        # Restart pods when the rendered server config changes.
-                        "annotations": {"specdeploy.dev/config-sha256": hashlib.sha256(server_yaml.encode())
-                                        .hexdigest()},
-                    },
+                    "metadata": {"labels": labels},
                     "spec": pod_spec,
                 },
             },

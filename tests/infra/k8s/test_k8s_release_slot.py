@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -170,12 +171,30 @@ def test_server_starts_from_the_mounted_config(prod: Any) -> pulumi.Output[None]
 
 
 @pulumi.runtime.test
-def test_pod_template_changes_when_the_server_config_changes(prod: Any) -> pulumi.Output[None]:
-    def check(blue: Any, green: Any) -> None:
-        assert blue.template.metadata.annotations["specdeploy.dev/config-sha256"] != \
-            green.template.metadata.annotations["specdeploy.dev/config-sha256"]
-    slots = prod().stack.slots
-    return _both(slots["blue"].deployment.spec, slots["green"].deployment.spec, check)
+def test_config_map_is_immutable_and_named_by_its_content(prod: Any) -> pulumi.Output[None]:
+    config_map = prod().stack.slots["green"].config_map
+
+    def check(metadata: Any, data: dict[str, str]) -> None:
+        digest = hashlib.sha256(data["server.yaml"].encode()).hexdigest()
+        assert metadata.name == f"specdeploy-green-config-{digest[:10]}"
+    return _both(config_map.metadata, config_map.data, check)
+
+
+@pulumi.runtime.test
+def test_config_map_is_immutable(prod: Any) -> pulumi.Output[None]:
+    def check(immutable: Any) -> None:
+        assert immutable is True
+    return prod().stack.slots["green"].config_map.immutable.apply(check)
+
+
+@pulumi.runtime.test
+def test_pods_mount_their_slot_config_map(prod: Any) -> pulumi.Output[None]:
+    slot = prod().stack.slots["green"]
+
+    def check(metadata: Any, spec: Any) -> None:
+        volume = next(v for v in spec.template.spec.volumes if v.name == "config")
+        assert volume.config_map.name == metadata.name
+    return _both(slot.config_map.metadata, slot.deployment.spec, check)
 
 
 @pulumi.runtime.test
