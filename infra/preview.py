@@ -15,6 +15,7 @@ scan read the same records. `specdeploy preview --stack NAME` prints them.
 from __future__ import annotations
 
 import json
+import logging
 import runpy
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,13 @@ class PreviewResult:
 
     def of_type(self, type_token: str) -> list[RecordedResource]:
         return [r for r in self.resources if r.type == type_token]
+
+    def single(self, type_token: str) -> RecordedResource:
+        """The only resource of a type (raises if there are none or several)."""
+        found = self.of_type(type_token)
+        if len(found) != 1:
+            raise KeyError(f"{type_token}: {[r.name for r in found]}")
+        return found[0]
 
     def one(self, type_token: str, name: str) -> RecordedResource:
         found = [r for r in self.resources if r.type == type_token and r.name == name]
@@ -167,6 +175,11 @@ def _invoke_result(token: str, args: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+def new_mocks() -> Any:
+    """Mocks answering like AWS would (ids, ARNs, DNS names, data sources); for tests of single components."""
+    return _mocks_class()()
+
+
 @dataclass
 class ProgramRun:
     """A program registered under mocks: its records (filled as the engine processes them) and exports."""
@@ -188,7 +201,9 @@ def start_program(stack_name: str, stacks_dir: Path | None = None) -> ProgramRun
     mocks = _mocks_class()()
     monitor = _monitor_class()(mocks)
     pulumi.runtime.settings.ROOT.set(None)  # a fresh root stack per run, also within one process
-    pulumi.runtime.set_mocks(mocks, project=PROJECT, stack=stack_name, preview=False, monitor=monitor)
+    # Engine diagnostics (the plan, warnings) go to a logger of their own: the caller prints what it wants.
+    pulumi.runtime.set_mocks(mocks, project=PROJECT, stack=stack_name, preview=False, monitor=monitor,
+                             logger=logging.getLogger("specdeploy.preview.engine"))
     values, secret_keys = pulumi_config(stack)
     pulumi.runtime.set_all_config(values, secret_keys)
     namespace = runpy.run_path(str(PROGRAM), run_name="__pulumi_program__")

@@ -23,6 +23,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "serve_cmd",
     "local_cmd",
     "plan_cmd",
+    "preview_cmd",
     "release_cmd",
     "validate_cmd",
 )
