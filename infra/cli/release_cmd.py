@@ -47,6 +47,9 @@ def register(subparsers: Any) -> None:
     rollout.add_argument("--slot-endpoint", action="append", default=[], metavar="URL",
                          help="base URL reaching the new slot alone (repeatable; default $SPECDEPLOY_<SLOT>_ENDPOINT, "
                               "else the healthy targets of its target group)")
+    rollout.add_argument("--validation-hosts", type=lambda v: [h for h in v.split(",") if h], metavar="SPECS",
+                         help="testinfra backends of the new slot's hosts for the host checks, comma separated "
+                              "(e.g. ssh://ubuntu@10.0.1.23)")
     rollout.add_argument("--report-dir", type=Path, help="launch validation report (default reports/release/...)")
     _add_target_options(rollout)
     rollout.set_defaults(func=_rollout)
@@ -71,7 +74,8 @@ def _add_target_options(parser: argparse.ArgumentParser) -> None:
     aws.add_argument("--target-group", action="append", default=[], metavar="SLOT=ARN",
                      help="target group of a slot, e.g. green=arn:... (or $SPECDEPLOY_<SLOT>_TARGET_GROUP_ARN)")
     aws.add_argument("--alarm", action="append", default=[], metavar="NAME", help="alarm to watch (repeatable)")
-    aws.add_argument("--alarm-prefix", help="find the stack's alarms by name prefix (or $SPECDEPLOY_ALARM_PREFIX)")
+    aws.add_argument("--alarm-prefix", help="the stack's alarms are PREFIX<RuleName> (default '<stack>-', "
+                                            "or $SPECDEPLOY_ALARM_PREFIX)")
     aws.add_argument("--region", help="AWS region (default: the stack's aws:region)")
     k8s = parser.add_argument_group("kubernetes")
     k8s.add_argument("--namespace", help="namespace of the slots (default: the stack's kubernetes.namespace)")
@@ -112,7 +116,7 @@ def _rollout(args: argparse.Namespace) -> int:
         _say(f"rollout {stack.name}: {args.to} in steps {','.join(map(str, steps))}% observing {args.observe} each "
              f"via {release.router.description}; log {release.log.path}")
         outcome = rollout(release, args.to, steps, observe_s, gates,
-                          None if args.skip_validation else validation.quick_validation,
+                          None if args.skip_validation else validation.launch_validator(args.validation_hosts),
                           endpoints, report_dir, resume=args.resume)
     except ReleaseError as exc:
         raise CommandError(str(exc)) from None
@@ -243,14 +247,13 @@ def _cloudwatch_alarms(stack: StackFile, options: TargetOptions, outputs: dict[s
 
     names = targets.alarm_names(options, outputs, targets.OUT_ALARM_NAMES)
     if names is None:
-        prefix = options.alarm_prefix or env.get(targets.ENV_ALARM_PREFIX)
-        names = aws.discover_alarm_names(cloudwatch, alert_rules(stack.config), prefix, stack.name)
-    if not names:
-        raise ReleaseError(f"no CloudWatch alarms of stack {stack.name} found: pass --alarm NAME or --alarm-prefix")
+        prefix = options.alarm_prefix or env.get(targets.ENV_ALARM_PREFIX) or f"{stack.name}-"
+        names = aws.alarm_names(alert_rules(stack.config), prefix)
     source = aws.CloudWatchAlarms(cloudwatch, names)
     missing = source.missing()
     if missing:
-        raise ReleaseError(f"alarm(s) not found in CloudWatch: {', '.join(missing)}")
+        raise ReleaseError(f"alarm(s) not found in CloudWatch: {', '.join(missing)}; "
+                           "pass --alarm NAME (repeatable) or --alarm-prefix")
     return source
 
 

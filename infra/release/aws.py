@@ -126,26 +126,6 @@ class CloudWatchAlarms:
                 for a in self._describe() if a.get("StateValue") == "ALARM"]
 
 
-def discover_alarm_names(cloudwatch: Any, rules: Sequence[AlertRule], prefix: str | None,
-                         stack: str) -> list[str]:
-    """Alarm names of the stack's rules when no stack output lists them.
-
-    The alerting component names each alarm ``<something>-<RuleName>``; pick, per rule,
-    the alarm that starts with ``prefix`` (when given) or mentions the stack name.
-    """
-    kwargs: dict[str, Any] = {"AlarmNamePrefix": prefix} if prefix else {}
-    names: list[str] = []
-    for page in cloudwatch.get_paginator("describe_alarms").paginate(**kwargs):
-        names += [a["AlarmName"] for a in page.get("MetricAlarms", [])]
-    chosen: list[str] = []
-    for rule in rules:
-        candidates = [n for n in names if n.endswith(rule.name)]
-        if not prefix:
-            candidates = [n for n in candidates if stack in n] or candidates
-        if len(candidates) > 1:
-            raise ReleaseError(
-                f"several alarms end with {rule.name} ({', '.join(sorted(candidates))}); "
-                "pass --alarm-prefix to say which belong to this stack"
-            )
-        chosen += candidates
-    return chosen
+def alarm_names(rules: Sequence[AlertRule], prefix: str) -> list[str]:
+    """CloudWatch names of the stack's alarms: the alerting component names each ``<stack>-<RuleName>``."""
+    return [f"{prefix}{rule.name}" for rule in rules]

@@ -20,6 +20,7 @@ import yaml
 
 from infra.config import PROJECT, ReleaseSpec, parse_stack_mapping
 from infra.release.model import ReleaseError
+from serving.config import ConfigError
 
 RELEASE_KEY = f"{PROJECT}:release"
 _SCALARS = ("active", "canary_weight")
@@ -41,7 +42,9 @@ def render_release(text: str, release: ReleaseSpec, source: str = "stack file") 
     current = document["config"].get(RELEASE_KEY)
     wanted = release.model_dump(mode="json", exclude_none=True)
     if isinstance(current, dict) and _same_slots(current, wanted):
-        updated = _edit_scalars(text, wanted, source)
+        defaults = ReleaseSpec.model_construct().model_dump(mode="json")
+        changes = {k: wanted[k] for k in _SCALARS if current.get(k, defaults[k]) != wanted[k]}
+        updated = _edit_scalars(text, changes, wanted, source) if changes else text
     else:
         updated = _replace_block(text, wanted, source)
     _check(document, _load(updated, source), release, source)
@@ -98,7 +101,8 @@ def _block(lines: list[str]) -> tuple[int, int, re.Match[str]]:
     raise LookupError(RELEASE_KEY)
 
 
-def _edit_scalars(text: str, wanted: dict[str, Any], source: str) -> str:
+def _edit_scalars(text: str, changes: dict[str, Any], wanted: dict[str, Any], source: str) -> str:
+    """Rewrite (or add) the scalar lines in ``changes``, keeping each line's trailing comment."""
     lines = text.splitlines(keepends=True)
     try:
         start, end, key = _block(lines)
@@ -122,14 +126,15 @@ def _edit_scalars(text: str, wanted: dict[str, Any], source: str) -> str:
         if match and match.group(2) in _SCALARS:
             name = match.group(2)
             seen[name] = index
-            lines[index] = (f"{match.group(1)}{name}{match.group(3)}{wanted[name]}"
-                            f"{match.group(5) or ''}{match.group(6) or ''}")
+            if name in changes:
+                lines[index] = (f"{match.group(1)}{name}{match.group(3)}{changes[name]}"
+                                f"{match.group(5) or ''}{match.group(6) or ''}")
     pad = " " * (child_indent if child_indent is not None else indent + 2)
-    missing = [name for name in _SCALARS if name not in seen]
+    missing = [name for name in _SCALARS if name not in seen and name in changes]
     if missing:
         after = max(seen.values(), default=start) + 1
         newline = "\r\n" if lines[start].endswith("\r\n") else "\n"
-        lines[after:after] = [f"{pad}{name}: {wanted[name]}{newline}" for name in missing]
+        lines[after:after] = [f"{pad}{name}: {changes[name]}{newline}" for name in missing]
     return "".join(lines)
 
 
@@ -185,6 +190,9 @@ def _check(before: dict[str, Any], after: dict[str, Any], release: ReleaseSpec, 
     new_config = {k: v for k, v in after["config"].items() if k != RELEASE_KEY}
     if old != new or old_config != new_config:
         raise ReleaseError(f"{source}: refusing to write: the edit would change more than {RELEASE_KEY}")
-    config, _, _ = parse_stack_mapping(after["config"], source=source)
+    try:
+        config, _, _ = parse_stack_mapping(after["config"], source=source)
+    except ConfigError as exc:
+        raise ReleaseError(f"refusing to write an invalid stack file: {exc}") from None
     if config.release != release:
         raise ReleaseError(f"{source}: refusing to write: the edited release does not read back as intended")

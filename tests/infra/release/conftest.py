@@ -26,7 +26,7 @@ GREEN = {
     "image": "123456789012.dkr.ecr.us-east-1.amazonaws.com/specdeploy-server@sha256:" + "4" * 64,
     "model_version": "s3://acme-specdeploy-models-prod/llama-3.1-8b-instruct/2026-12-02",
 }
-ALARM_PREFIX = "specdeploy-prod-"
+ALARM_PREFIX = "prod-"  # the alerting component names alarms <stack>-<RuleName>
 RUNBOOKS = "https://example.com/runbooks"
 
 

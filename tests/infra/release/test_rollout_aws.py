@@ -31,14 +31,14 @@ def validated(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         seen.append(endpoint)
         return ValidationOutcome(True, "12 checks passed")
 
-    monkeypatch.setattr(validation, "quick_validation", fake)
+    monkeypatch.setattr(validation, "launch_validator", lambda hosts: fake)
     return seen
 
 
 def rollout(aws: AwsRelease, stacks: Path, slot: SlotServer, *extra: str) -> int:
     return main(["rollout", "--stack", "prod", "--to", "green", "--stacks-dir", str(stacks),
                  "--state-dir", str(stacks.parent / "state"), "--slot-endpoint", slot.url,
-                 "--alarm-prefix", ALARM_PREFIX, *aws.cli_args(), *FAST, *extra])
+                 *aws.cli_args(), *FAST, *extra])
 
 
 def rollback(aws: AwsRelease, stacks: Path, *extra: str) -> int:
@@ -145,11 +145,11 @@ def test_slow_new_slot_rolls_back_on_p99(aws_release: AwsRelease, prod_copy: Pat
 def test_failed_validation_moves_no_traffic(aws_release: AwsRelease, prod_copy: Path, slot_server: SlotServer,
                                             monkeypatch: pytest.MonkeyPatch,
                                             capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(validation, "quick_validation",
-                        lambda *a: ValidationOutcome(False, "test_long_input_works failed", "r/report.html"))
+    monkeypatch.setattr(validation, "launch_validator", lambda hosts: lambda *a: ValidationOutcome(
+        False, "1 check(s) failed: test_long_input_works", "r/report.html"))
     assert rollout(aws_release, prod_copy, slot_server) == 1
     assert aws_release.count("ModifyListener") == 0
-    assert "launch validation failed on green: test_long_input_works failed" in capsys.readouterr().out
+    assert "launch validation failed on green: 1 check(s) failed: test_long_input_works" in capsys.readouterr().out
     assert release_of(prod_copy) == ("blue", 0)
 
 
@@ -191,7 +191,7 @@ def test_interrupted_rollout_resumes_from_its_last_step(
     assert aws_release.weights() == {"blue": 50, "green": 50}
     assert release_of(prod_copy) == ("blue", 0)
     monkeypatch.undo()
-    monkeypatch.setattr(validation, "quick_validation", lambda *a: pytest.fail("validated twice"))
+    monkeypatch.setattr(validation, "launch_validator", lambda hosts: lambda *a: pytest.fail("validated twice"))
     assert rollout(aws_release, prod_copy, slot_server) == 2  # refuses to start over the interrupted one
     aws_release.calls.clear()
     assert rollout(aws_release, prod_copy, slot_server, "--resume") == 0
@@ -235,3 +235,77 @@ def interrupt_at_50(monkeypatch: pytest.MonkeyPatch) -> None:
         return original(self, slot, weight, seconds)
 
     monkeypatch.setattr(GateWatcher, "observe", observe)
+
+
+def test_arns_and_alarm_names_come_from_the_stack_outputs(
+        aws_release: AwsRelease, prod_copy: Path, slot_server: SlotServer, validated: list[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from infra.release import targets
+
+    outputs = {"listener_arn": aws_release.listener_arn, "target_group_arns": aws_release.target_groups,
+               "alarm_names": aws_release.alarm_names}
+    monkeypatch.setattr(targets, "stack_outputs", lambda stack: outputs)  # as `pulumi stack output --json` says
+    assert main(["rollout", "--stack", "prod", "--to", "green", "--stacks-dir", str(prod_copy), "--state-dir",
+                 str(prod_copy.parent / "state"), "--slot-endpoint", slot_server.url, *FAST]) == 0
+    assert aws_release.weights() == {"blue": 0, "green": 100}
+
+
+def test_arns_come_from_the_environment(aws_release: AwsRelease, prod_copy: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECDEPLOY_LISTENER_ARN", aws_release.listener_arn)
+    for slot, arn in aws_release.target_groups.items():
+        monkeypatch.setenv(f"SPECDEPLOY_{slot.upper()}_TARGET_GROUP_ARN", arn)
+    assert main(["rollback", "--stack", "prod", "--to", "green", "--stacks-dir", str(prod_copy),
+                 "--state-dir", str(prod_copy.parent / "state"), "--no-pulumi-up"]) == 0
+    assert aws_release.weights() == {"blue": 0, "green": 100}
+    assert release_of(prod_copy) == ("green", 0)
+
+
+def test_missing_listener_is_a_one_line_error(aws_release: AwsRelease, prod_copy: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["rollback", "--stack", "prod", "--stacks-dir", str(prod_copy), "--no-pulumi-up"]) == 2
+    assert "pass --listener-arn or set SPECDEPLOY_LISTENER_ARN" in capsys.readouterr().err
+
+
+def test_rollback_runs_pulumi_up_through_the_automation_api_when_a_cli_exists(
+        aws_release: AwsRelease, prod_copy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    from pulumi import automation
+
+    ran: list[str] = []
+
+    class FakeStack:
+        def up(self, on_output: Callable[[str], None]) -> Any:
+            ran.append("up")
+            return type("Result", (), {"summary": type("Summary", (), {"result": "succeeded"})()})()
+
+    real_which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/pulumi" if name == "pulumi" else real_which(name))
+    monkeypatch.setattr(automation, "select_stack", lambda stack_name, work_dir: ran.append(stack_name) or FakeStack())
+    from infra.release import targets
+
+    monkeypatch.setattr(targets, "stack_outputs", lambda stack: {})
+    assert main(["rollback", "--stack", "prod", "--to", "green", "--stacks-dir", str(prod_copy), "--state-dir",
+                 str(prod_copy.parent / "state"), *aws_release.cli_args()]) == 0
+    assert ran == ["prod", "up"]
+
+
+def test_launch_validator_runs_the_quick_profile_against_the_slot(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    import infra.validation
+    from infra.validation.runner import ValidationResult
+
+    calls: list[dict[str, Any]] = []
+
+    def fake_run(endpoint: str, stack: str, **kwargs: Any) -> ValidationResult:
+        calls.append({"endpoint": endpoint, "stack": stack, **kwargs})
+        checks = [{"nodeid": "tests/launch/test_functional.py::test_ready", "outcome": "failed"}]
+        return ValidationResult(False, 1, tmp_path, {"passed": False, "checks": checks})
+
+    monkeypatch.setattr(infra.validation, "run_validation", fake_run)
+    outcome = validation.launch_validator(["ssh://ubuntu@10.0.1.23"])(load_stack("prod"), "http://10.0.1.23:8000",
+                                                                     tmp_path)
+    assert calls == [{"endpoint": "http://10.0.1.23:8000", "stack": "prod", "profile": "quick",
+                      "report_dir": tmp_path, "hosts": ["ssh://ubuntu@10.0.1.23"]}]
+    assert not outcome.passed and "test_ready" in outcome.summary
