@@ -171,10 +171,11 @@ class ReleaseSlot(pulumi.ComponentResource):
             "env": [{"name": "HOME", "value": "/tmp"}],
             "resources": {"requests": resources, "limits": resources},
             "security_context": security_context,
-            # The HTTP server answers only once the weights are loaded (lifespan): the startup probe
-            # holds liveness off for the load and warm-up budget.
+            # The server answers /health while it loads; /ready turns 200 only after the weights are
+            # loaded and the warm-up generation ran. Probing /ready here is what bounds load + warm-up:
+            # a pod that is not ready within the budget is restarted. Liveness starts after it.
             "startup_probe": {
-                "http_get": {"port": HTTP_PORT_NAME, "path": "/health"},
+                "http_get": {"port": HTTP_PORT_NAME, "path": "/ready"},
                 "period_seconds": STARTUP_PERIOD_S,
                 "timeout_seconds": 5,
                 "failure_threshold": math.ceil(startup_budget / STARTUP_PERIOD_S),

@@ -202,7 +202,7 @@ def test_probes_use_ready_for_readiness_and_health_for_liveness(prod: Any) -> pu
     def check(server: Any) -> None:
         assert server.readiness_probe.http_get.path == "/ready"
         assert server.liveness_probe.http_get.path == "/health"
-        assert server.startup_probe.http_get.path == "/health"
+        assert server.startup_probe.http_get.path == "/ready"  # bounds load + warm-up, see the component
     return _server(prod, check)
 
 
