@@ -25,6 +25,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "plan_cmd",
     "preview_cmd",
     "release_cmd",
+    "bench_cmd",
     "validate_cmd",
 )
 

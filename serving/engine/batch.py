@@ -36,7 +36,8 @@ class AttentionGroup:
     query_index: torch.Tensor | None  # [G * max_q] flat row of each padded query slot (0 for padding)
     valid_index: torch.Tensor | None  # [num real tokens] positions in the padded [G * max_q] layout
     block_tables: torch.Tensor  # [G, max_blocks] cache blocks to read (padding blocks are masked out)
-    mask: torch.Tensor  # [G, 1, n_rep * max_q, max_blocks * block_size] True = may attend
+    key_len: int  # keys read per sequence: the group's longest context
+    mask: torch.Tensor | None  # [G, 1, n_rep * max_q, key_len] additive (0 or -inf); None = attend to all
 
 
 @dataclass
@@ -76,7 +77,7 @@ def group_sequences(q_lens: list[int], ctx_lens: list[int]) -> list[list[int]]:
 
 
 def build_forward_batch(
-    seqs: list[SequenceInput], block_size: int, n_rep: int, device: torch.device
+    seqs: list[SequenceInput], block_size: int, n_rep: int, device: torch.device, dtype: torch.dtype = torch.float32
 ) -> ForwardBatch:
     """Lay the sequences out group by group and precompute slots, block tables and masks."""
     q_lens = [len(s.token_ids) for s in seqs]
@@ -101,7 +102,8 @@ def build_forward_batch(
             table = s.block_table
             slots.extend(table[p // block_size] * block_size + p % block_size for p in pos)
         groups.append(
-            _build_group(seqs, members, q_lens, ctx_lens, token_start, len(input_ids), block_size, n_rep, device)
+            _build_group(seqs, members, q_lens, ctx_lens, token_start, len(input_ids), block_size, n_rep,
+                         device, dtype)
         )
 
     logits_rows = [row_of[i] + off for i, s in enumerate(seqs) for off in s.logits_offsets]
@@ -125,33 +127,34 @@ def _build_group(
     block_size: int,
     n_rep: int,
     device: torch.device,
+    dtype: torch.dtype,
 ) -> AttentionGroup:
     num = len(members)
     max_q = max(q_lens[i] for i in members)
-    max_blocks = max(-(-ctx_lens[i] // block_size) for i in members)
-    tables = [seqs[i].block_table[:max_blocks] + [0] * (max_blocks - len(seqs[i].block_table[:max_blocks]))
-              for i in members]
+    key_len = max(ctx_lens[i] for i in members)
+    max_blocks = -(-key_len // block_size)
+    tables = [seqs[i].block_table[:max_blocks] for i in members]
+    tables = [t + [0] * (max_blocks - len(t)) for t in tables]
     uniform = all(q_lens[i] == max_q for i in members)
 
-    q_len_t = torch.tensor([q_lens[i] for i in members], dtype=torch.long)
-    start_t = torch.tensor([seqs[i].start_pos for i in members], dtype=torch.long)
     offsets = torch.arange(max_q, dtype=torch.long)
-    valid = offsets[None, :] < q_len_t[:, None]  # [G, max_q]
-    # padded query slots get position 0 so their mask row is never empty (no NaN); their output is dropped
-    q_pos = torch.where(valid, start_t[:, None] + offsets[None, :], 0)  # [G, max_q]
-    key_pos = torch.arange(max_blocks * block_size, dtype=torch.long)
-    mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [G, max_q, K]: causal, and within the context
-    mask = mask[:, None, None].expand(num, 1, n_rep, max_q, key_pos.shape[0])
-    mask = mask.reshape(num, 1, n_rep * max_q, key_pos.shape[0])
+    valid = offsets[None, :] < torch.tensor([q_lens[i] for i in members])[:, None]  # [G, max_q]
+    mask = None
+    if not (num == 1 and max_q == 1):  # a lone decode token sees its whole context: no mask needed
+        start_t = torch.tensor([seqs[i].start_pos for i in members], dtype=torch.long)
+        # padded query slots get position 0 so their mask row is never empty (no NaN); their output is dropped
+        q_pos = torch.where(valid, start_t[:, None] + offsets[None, :], 0)  # [G, max_q]
+        allowed = torch.arange(key_len)[None, None, :] <= q_pos[:, :, None]  # [G, max_q, K]: causal
+        # SDPA would turn a bool mask into an additive one in every layer; do it once here
+        additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+        mask = additive[:, None, None].expand(num, 1, n_rep, max_q, key_len)
+        mask = mask.reshape(num, 1, n_rep * max_q, key_len).to(device)
 
     query_index = valid_index = None
     if not uniform:
-        row_starts = torch.tensor(
-            [token_start + sum(q_lens[j] for j in members[:k]) for k in range(num)], dtype=torch.long
-        )
-        query_index = torch.where(valid, row_starts[:, None] + offsets[None, :], 0).reshape(-1)
-        valid_index = valid.reshape(-1).nonzero().squeeze(1)
-        query_index, valid_index = query_index.to(device), valid_index.to(device)
+        row_starts = torch.tensor([0] + [q_lens[i] for i in members[:-1]], dtype=torch.long).cumsum(0) + token_start
+        query_index = torch.where(valid, row_starts[:, None] + offsets[None, :], 0).reshape(-1).to(device)
+        valid_index = valid.reshape(-1).nonzero().squeeze(1).to(device)
     return AttentionGroup(
         token_start=token_start,
         token_end=token_end,
@@ -161,5 +164,6 @@ def _build_group(
         query_index=query_index,
         valid_index=valid_index,
         block_tables=torch.tensor(tables, dtype=torch.long, device=device),
-        mask=mask.to(device),
+        key_len=key_len,
+        mask=mask,
     )

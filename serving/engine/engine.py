@@ -170,7 +170,7 @@ class LLMEngine:
             ))
             if samples:
                 sampling.append(req)
-        batch = build_forward_batch(seqs, self.block_size, self.args.n_rep, self.device)
+        batch = build_forward_batch(seqs, self.block_size, self.args.n_rep, self.device, self.dtype)
         hidden = self.model(batch, self.cache)
         if not sampling:
             return {}, {}

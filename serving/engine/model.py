@@ -100,7 +100,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in fp32, scale in the model dtype: the reference's rounding order
+        # normalise in fp32, scale in the model dtype: the reference's rounding order (F.rms_norm is
+        # slower on CPU for small rows: it upcasts and decomposes)
+        if x.dtype == torch.float32:
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -119,14 +122,14 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, cache: KVCache, layer: int
     ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rope(q.view(num_tokens, self.n_heads, self.head_dim), cos, sin)  # [T, Hq, D]
-        k = apply_rope(k.view(num_tokens, self.n_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
-        v = v.view(num_tokens, self.n_kv_heads, self.head_dim)
+        num_tokens, n_q, n_kv = x.shape[0], self.n_heads, self.n_kv_heads
+        qkv = self.wqkv(x).view(num_tokens, n_q + 2 * n_kv, self.head_dim)
+        qk = apply_rope(qkv[:, : n_q + n_kv], cos, sin)  # q and k heads rotated together
+        q, k, v = qk[:, :n_q], qk[:, n_q:], qkv[:, n_q + n_kv :]  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
         cache.write(layer, batch.slot_mapping, k, v)
-        out = torch.empty(num_tokens, q_size, dtype=x.dtype, device=x.device)
+        if len(batch.groups) == 1:
+            return self.wo(self.attend_group(q, batch.groups[0], cache, layer))
+        out = torch.empty(num_tokens, n_q * self.head_dim, dtype=x.dtype, device=x.device)
         for group in batch.groups:
             out[group.token_start : group.token_end] = self.attend_group(q, group, cache, layer)
         return self.wo(out)
@@ -142,7 +145,7 @@ class Attention(nn.Module):
         # GQA without repeating K/V: the n_rep query heads of a KV head become extra query rows
         q_pad = q_pad.view(g, max_q, hkv, self.n_rep, d).permute(0, 2, 3, 1, 4)  # [G, Hkv, n_rep, max_q, D]
         q_pad = q_pad.reshape(g, hkv, self.n_rep * max_q, d)
-        k_ctx, v_ctx = cache.gather(layer, group.block_tables)  # [G, Hkv, K, D]
+        k_ctx, v_ctx = cache.gather(layer, group.block_tables, group.key_len)  # [G, Hkv, K, D]
         o = F.scaled_dot_product_attention(q_pad, k_ctx, v_ctx, attn_mask=group.mask, scale=self.scale)
         o = o.view(g, hkv, self.n_rep, max_q, d).permute(0, 3, 1, 2, 4)  # [G, max_q, Hkv, n_rep, D]
         o = o.reshape(g * max_q, hkv * self.n_rep * d)

@@ -99,14 +99,17 @@ def _yarn_inv_freq(
 def build_rope_cache(
     inv_freq: torch.Tensor, attention_scaling: float, max_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [max_len, head_dim] in fp32, laid out as transformers' rotate_half expects."""
+    """cos and signed sin tables [max_len, head_dim] in fp32.
+
+    transformers rotates as x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1). Folding the
+    minus sign into the first half of sin turns that into x * cos + roll(x) * sin_signed: the same products
+    bit for bit, in three ops instead of six.
+    """
     freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # [max_len, head_dim // 2]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos() * attention_scaling, emb.sin() * attention_scaling
+    sin = freqs.sin() * attention_scaling
+    return torch.cat((freqs, freqs), dim=-1).cos() * attention_scaling, torch.cat((-sin, sin), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [num_tokens, n_heads, head_dim]; cos/sin [num_tokens, 1, head_dim] in x's dtype."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, n_heads, head_dim]; cos/sin_signed [num_tokens, 1, head_dim] in x's dtype."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)

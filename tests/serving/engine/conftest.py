@@ -93,7 +93,8 @@ class PagedRunner:
             self.blocks.allocate(str(sid), start + n)
             seqs.append(SequenceInput(prompts[sid][start : start + n], start, self.blocks.block_table(str(sid)),
                                       list(range(n))))
-        batch = build_forward_batch(seqs, 16, self.model.args.n_rep, self.device)
+        dtype = self.model.tok_embeddings.weight.dtype
+        batch = build_forward_batch(seqs, 16, self.model.args.n_rep, self.device, dtype)
         return self.model.compute_logits(self.model(batch, self.cache), batch.logits_index)
 
 

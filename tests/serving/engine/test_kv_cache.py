@@ -42,7 +42,7 @@ def test_write_then_gather_reads_back_in_sequence_order() -> None:
     k = torch.arange(9, dtype=torch.float32).view(3, 1, 3)
     slots = torch.tensor([6, 7, 2])  # positions 0,1 in block 3; position 2 in block 1
     cache.write(0, slots, k, -k)
-    k_ctx, v_ctx = cache.gather(0, torch.tensor([[3, 1]]))  # [1, Hkv, 4, D]
+    k_ctx, v_ctx = cache.gather(0, torch.tensor([[3, 1]]), 3)  # [1, Hkv, 3, D]
     assert torch.equal(k_ctx[0, 0, :3], k[:, 0])
     assert torch.equal(v_ctx[0, 0, :3], -k[:, 0])
 

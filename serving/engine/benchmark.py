@@ -1,0 +1,198 @@
+"""Throughput of our engine against transformers on the same prompts, output length and threads.
+
+Every run generates exactly `output_len` tokens per request (EOS ignored), greedy, from fixed prompts,
+so tokens/s compare like for like. Used by `specdeploy bench engine`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from serving.engine.config import EngineConfig
+from serving.engine.engine import LLMEngine
+from serving.engine.types import GenerationRequest, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    system: str  # "engine", "hf_generate", "hf_generate_padded", "hf_generate_batch"
+    concurrency: int
+    output_tokens: int
+    seconds: float
+    tokens_per_s: float
+    note: str = ""
+
+
+@dataclass
+class EngineBenchReport:
+    model: str
+    device: str
+    dtype: str
+    threads: int
+    prompt_tokens: list[int]  # prompt length of each distinct prompt
+    output_len: int
+    results: list[RunResult] = field(default_factory=list)
+    ratios: dict[str, float] = field(default_factory=dict)
+    profile: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def tokens_per_s(self, system: str, concurrency: int) -> float | None:
+        for r in self.results:
+            if r.system == system and r.concurrency == concurrency and r.tokens_per_s > 0:
+                return r.tokens_per_s
+        return None
+
+
+def default_prompts(model_dir: Path, tokenizer: Any | None, count: int = 8) -> list[list[int]]:
+    """Held-out demo code prompts when a tokenizer is there; fixed pseudo-random ids otherwise."""
+    if tokenizer is not None:
+        try:
+            from serving.demo import load_prompts
+
+            texts = [p.prompt for p in load_prompts("code")[:count]]
+            return [tokenizer(t, add_special_tokens=False)["input_ids"][-96:] for t in texts]
+        except (ImportError, FileNotFoundError, ValueError):
+            log.info("demo prompts unavailable; using synthetic prompts")
+    g = torch.Generator().manual_seed(0)
+    vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    return [torch.randint(1, vocab, (48 + 8 * i,), generator=g).tolist() for i in range(count)]
+
+
+def bench_engine(engine: LLMEngine, prompts: list[list[int]], concurrency: int, output_len: int) -> RunResult:
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    for i in range(concurrency):
+        engine.add_request(GenerationRequest(f"c{concurrency}-{i}", prompts[i % len(prompts)], params))
+    start = time.perf_counter()
+    generated = 0
+    while engine.has_unfinished_requests():
+        generated += sum(len(o.new_token_ids) for o in engine.step())
+    seconds = time.perf_counter() - start
+    return RunResult("engine", concurrency, generated, seconds, generated / seconds)
+
+
+def bench_hf_generate(model: Any, prompts: list[list[int]], concurrency: int, output_len: int,
+                      pad_id: int) -> RunResult:
+    """transformers `generate`: batch 1 at concurrency 1, else one left-padded batch."""
+    batch = [prompts[i % len(prompts)] for i in range(concurrency)]
+    width = max(len(p) for p in batch)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
+                             min_new_tokens=output_len, do_sample=False, pad_token_id=pad_id)
+    seconds = time.perf_counter() - start
+    generated = int(out.shape[0] * (out.shape[1] - width))
+    system = "hf_generate" if concurrency == 1 else "hf_generate_padded"
+    return RunResult(system, concurrency, generated, seconds, generated / seconds)
+
+
+def bench_hf_generate_batch(model: Any, prompts: list[list[int]], concurrency: int, output_len: int) -> RunResult:
+    """transformers' continuous batching (`generate_batch`)."""
+    from transformers import GenerationConfig
+
+    batch = [prompts[i % len(prompts)] for i in range(concurrency)]
+    config = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                              eos_token_id=-1, pad_token_id=0, max_batch_tokens=512)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        results = model.generate_batch(inputs=batch, generation_config=config, progress_bar=False)
+    seconds = time.perf_counter() - start
+    generated = sum(len(r.generated_tokens) for r in results.values())
+    return RunResult("hf_generate_batch", concurrency, generated, seconds, generated / seconds)
+
+
+def _guarded(label: str, fn: Callable[[], RunResult], system: str, concurrency: int) -> RunResult:
+    try:
+        return fn()
+    except Exception as exc:  # a baseline that does not run here is reported, not fatal
+        log.warning("%s failed: %s", label, exc)
+        return RunResult(system, concurrency, 0, 0.0, 0.0, note=f"failed: {type(exc).__name__}: {exc}"[:200])
+
+
+def run_engine_benchmark(
+    model_dir: Path,
+    concurrencies: list[int],
+    output_len: int,
+    threads: int,
+    baselines: bool = True,
+    profile: bool = False,
+    device: str = "cpu",
+) -> EngineBenchReport:
+    torch.set_num_threads(threads)
+    max_c = max(concurrencies)
+    config = EngineConfig(model=str(model_dir), device=device, kv_cache_bytes=256 * 2**20,
+                          max_num_seqs=max(max_c, 1), max_num_batched_tokens=max(512, max_c),
+                          num_threads=threads)
+    engine = LLMEngine.from_config(config)
+    prompts = default_prompts(model_dir, engine.tokenizer)
+    report = EngineBenchReport(model=str(model_dir), device=str(engine.device), dtype=str(engine.dtype),
+                               threads=torch.get_num_threads(), prompt_tokens=[len(p) for p in prompts],
+                               output_len=output_len)
+    bench_engine(engine, prompts, 2, 8)  # warm-up
+    for c in concurrencies:
+        report.results.append(bench_engine(engine, prompts, c, output_len))
+        log.info("engine c=%d: %.1f tok/s", c, report.results[-1].tokens_per_s)
+
+    if baselines:
+        from transformers import AutoModelForCausalLM
+
+        hf: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=engine.dtype)
+        hf = hf.to(engine.device).eval()
+        pad = engine.args.eos_token_ids[0] if engine.args.eos_token_ids else 0
+        bench_hf_generate(hf, prompts, 1, 8, pad)  # warm-up
+        for c in concurrencies:
+            system = "hf_generate" if c == 1 else "hf_generate_padded"
+            run = functools.partial(bench_hf_generate, hf, prompts, c, output_len, pad)
+            report.results.append(_guarded(f"generate c={c}", run, system, c))
+        for c in concurrencies:
+            run = functools.partial(bench_hf_generate_batch, hf, prompts, c, output_len)
+            report.results.append(_guarded(f"generate_batch c={c}", run, "hf_generate_batch", c))
+    report.ratios = compute_ratios(report, max_c)
+    if profile:
+        report.profile = profile_engine(engine, prompts, [1, max_c], min(output_len, 32))
+    return report
+
+
+def compute_ratios(report: EngineBenchReport, max_c: int) -> dict[str, float]:
+    ratios: dict[str, float] = {}
+    e1, emax = report.tokens_per_s("engine", 1), report.tokens_per_s("engine", max_c)
+    hf1 = report.tokens_per_s("hf_generate", 1)
+    hf_batch = report.tokens_per_s("hf_generate_batch", max_c)
+    hf_padded = report.tokens_per_s("hf_generate_padded", max_c)
+    if e1 and hf1:
+        ratios["engine_c1_over_hf_generate_b1"] = e1 / hf1  # goal >= 1.2
+    if e1 and emax:
+        ratios[f"engine_c{max_c}_over_engine_c1"] = emax / e1  # goal >= 8
+    if emax and hf_batch:
+        ratios[f"engine_c{max_c}_over_hf_generate_batch_c{max_c}"] = emax / hf_batch  # goal >= 1.5
+    if emax and hf_padded:
+        ratios[f"engine_c{max_c}_over_hf_generate_padded_c{max_c}"] = emax / hf_padded
+    return ratios
+
+
+def profile_engine(engine: LLMEngine, prompts: list[list[int]], concurrencies: list[int], output_len: int) -> str:
+    """torch.profiler op table (self CPU time) for short engine runs at the given concurrencies."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sections = []
+    for c in concurrencies:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            result = bench_engine(engine, prompts, c, output_len)
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=40)
+        sections.append(f"--- engine c={c}, {output_len} tokens each: {result.tokens_per_s:.0f} tok/s under the "
+                        f"profiler ---\n{table}")
+    return "\n".join(sections)
