@@ -42,10 +42,6 @@ def register(subparsers: Any) -> None:
         return
     register_server(actions)
 
-    from infra.cli.bench_server import register_server  # `bench server` (the server's own module)
-
-    register_server(actions)
-
 
 def _model_dir(arg: Path | None) -> Path:
     if arg is not None:
