@@ -1,0 +1,183 @@
+"""`specdeploy bench server`: what the HTTP layer costs at concurrency 1.
+
+The same prompts, output length (EOS ignored, greedy) and torch threads go straight into an
+in-process engine and through a `specdeploy serve` process on loopback, alternately, one request at
+a time (never both at once); the figure of merit is HTTP tokens/s ÷ engine tokens/s (goal ≥ 0.95).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+GOAL = 0.95
+SERVED_NAME = "bench"
+
+
+@dataclass
+class ServerBenchReport:
+    model: str
+    threads: int
+    output_len: int
+    requests: int
+    stream: bool
+    engine_tokens_per_s: float = 0.0
+    http_tokens_per_s: float = 0.0
+    engine_seconds: list[float] = field(default_factory=list)
+    http_seconds: list[float] = field(default_factory=list)
+    ttft_s: list[float] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float:
+        return self.http_tokens_per_s / self.engine_tokens_per_s if self.engine_tokens_per_s else 0.0
+
+    def to_dict(self) -> dict[str, object]:
+        return {**asdict(self), "ratio": round(self.ratio, 4), "goal": GOAL, "meets_goal": self.ratio >= GOAL}
+
+
+def run_server_benchmark(model_dir: Path, output_len: int, threads: int, requests: int,
+                         stream: bool) -> ServerBenchReport:
+    """Alternate engine and HTTP requests (same prompt each round), so load from other processes
+    on a shared machine hits both sides alike."""
+    import httpx
+
+    report = ServerBenchReport(model=str(model_dir), threads=threads, output_len=output_len, requests=requests,
+                               stream=stream)
+    with tempfile.TemporaryDirectory(prefix="specdeploy-bench-") as tmp, _server(model_dir, Path(tmp), output_len,
+                                                                                  threads) as base:
+        engine, prompts = _load_engine(model_dir, threads, requests)
+        with httpx.Client(base_url=base, timeout=600) as client:
+            _complete(client, prompts[0], 8, stream)  # warm-up
+            engine_tokens = http_tokens = 0
+            for prompt in prompts:
+                result = _engine_request(engine, prompt, output_len)
+                engine_tokens += result.output_tokens
+                report.engine_seconds.append(result.seconds)
+                started = time.perf_counter()
+                tokens, ttft = _complete(client, prompt, output_len, stream)
+                report.http_seconds.append(time.perf_counter() - started)
+                report.ttft_s.append(ttft)
+                http_tokens += tokens
+        report.engine_tokens_per_s = engine_tokens / sum(report.engine_seconds)
+        report.http_tokens_per_s = http_tokens / sum(report.http_seconds)
+    return report
+
+
+def _load_engine(model_dir: Path, threads: int, requests: int) -> tuple[Any, list[list[int]]]:
+    import torch
+
+    from serving.engine.benchmark import bench_engine, default_prompts
+    from serving.engine.config import EngineConfig
+    from serving.engine.engine import LLMEngine
+
+    torch.set_num_threads(threads)
+    engine = LLMEngine.from_config(EngineConfig(model=str(model_dir), device="cpu", dtype="fp32",
+                                                kv_cache_bytes=256 * 2**20, num_threads=threads))
+    prompts = default_prompts(model_dir, engine.tokenizer)
+    prompts = [prompts[i % len(prompts)] for i in range(requests)]
+    bench_engine(engine, prompts, 1, 8)  # warm-up
+    return engine, prompts
+
+
+def _engine_request(engine: Any, prompt: list[int], output_len: int) -> Any:
+    from serving.engine.benchmark import bench_engine
+
+    return bench_engine(engine, [prompt], 1, output_len)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _server(model_dir: Path, workdir: Path, output_len: int, threads: int) -> Iterator[str]:
+    """`specdeploy serve` for the model (published to a scratch file:// store first), ready; yields its URL."""
+    from serving.weights import push
+
+    store = f"file://{workdir / 'store'}"
+    push(model_dir, store)
+    port = _free_port()
+    config = {
+        "service": {"host": "127.0.0.1", "port": port, "served_model_name": SERVED_NAME, "weights_uri": store},
+        "model": {"path": str(workdir / "model"), "dtype": "fp32", "device": "cpu", "kv_cache_bytes": 256 * 2**20},
+        "scheduler": {"max_output_len": max(output_len, 16), "request_timeout_s": 600},
+    }
+    (workdir / "server.yaml").write_text(yaml.safe_dump(config))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEPLOY")}
+    env.update(SPECDEPLOY_ENV="development", OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    with (workdir / "server.log").open("wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "infra.cli.main", "serve", "--config",
+                                 str(workdir / "server.yaml")], env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(base, proc, workdir / "server.log")
+        yield base
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_ready(base: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 600) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
+        try:
+            response = httpx.get(f"{base}/ready", timeout=2)
+            if response.status_code == 200:
+                return
+            reason = response.json().get("reason", "")
+            if reason.startswith(("weights verification failed", "start-up failed")):
+                raise RuntimeError(f"server refused readiness: {reason}")
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"server not ready after {timeout_s:.0f}s")
+
+
+def _complete(client: object, prompt: list[int], max_tokens: int, stream: bool) -> tuple[int, float]:
+    """One greedy request; returns (generated tokens, seconds to the first streamed token or the response)."""
+    import httpx
+
+    assert isinstance(client, httpx.Client)
+    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    started = time.perf_counter()
+    if not stream:
+        response = client.post("/v1/completions", json=body)
+        response.raise_for_status()
+        return int(response.json()["usage"]["completion_tokens"]), time.perf_counter() - started
+    ttft = 0.0
+    tokens = 0
+    body.update(stream=True, stream_options={"include_usage": True})
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and not ttft:
+                ttft = time.perf_counter() - started
+            if chunk.get("usage"):
+                tokens = int(chunk["usage"]["completion_tokens"])
+    return tokens, ttft
