@@ -69,9 +69,9 @@ def plot_sweep(sweep: list[Phase]) -> str | None:
     levels = [s["concurrency"] for s in summaries]
     fig, axes = _figure(1, 2)
     lat, tput = axes[0]
-    for key, label, style in (("e2e_s", "E2E", "-o"), ("ttft_s", "TTFT", "-s")):
-        lat.plot(levels, [s[key]["p50"] for s in summaries], style, label=f"{label} P50")
-        lat.plot(levels, [s[key]["p99"] for s in summaries], style, linestyle="--", label=f"{label} P99")
+    for key, label, marker in (("e2e_s", "E2E", "o"), ("ttft_s", "TTFT", "s")):
+        lat.plot(levels, [s[key]["p50"] for s in summaries], f"-{marker}", label=f"{label} P50")
+        lat.plot(levels, [s[key]["p99"] for s in summaries], f"--{marker}", label=f"{label} P99")
     lat.set(xlabel="concurrency (requests in flight)", ylabel="seconds", title="Latency vs concurrency")
     lat.set_xscale("log", base=2)
     lat.legend(fontsize=8)

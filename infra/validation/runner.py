@@ -63,6 +63,17 @@ def default_endpoint(stack: str) -> str:
     return f"http://{config.local.host}:{config.service.port}"
 
 
+def local_api_key(stack: str) -> str | None:
+    """For a local stack, the key `specdeploy up` wrote into its state directory (None elsewhere)."""
+    stack_file = load_stack(stack)
+    if stack_file.config.platform != "local":
+        return None
+    from infra.local import LocalDeployment
+
+    key: str | None = LocalDeployment(stack_file).api_key()
+    return key
+
+
 def default_report_dir(stack: str, profile: str) -> Path:
     return REPO_ROOT / "reports" / f"{stack}-{profile}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
 
@@ -85,12 +96,14 @@ def run_validation(endpoint: str | None, stack: str, profile: str = "quick", rep
 
     ``hosts``: testinfra backends of the serving hosts (``ssh://user@10.0.1.5``, ``local://``,
     ``kubectl://pod?namespace=ns``); the host checks run on each. ``api_key`` defaults to
-    $SPECDEPLOY_API_KEY. Returns the gate and where the report is.
+    $SPECDEPLOY_API_KEY, then (local stacks) to the key `specdeploy up` generated. Returns the gate
+    and where the report is.
     """
     get_profile(profile)  # fail fast on a typo, before a subprocess starts
     endpoint = endpoint or default_endpoint(stack)
     directory = Path(report_dir) if report_dir is not None else default_report_dir(stack, profile)
     env = dict(os.environ)
+    api_key = api_key or env.get(API_KEY_ENV) or local_api_key(stack)
     if api_key is not None:
         env[API_KEY_ENV] = api_key
     command = pytest_command(endpoint, stack, profile, directory, hosts, extra_args)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -40,6 +40,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="other arm of the speculative A/B: the same deployment with speculative.enabled flipped "
                          "(e.g. the idle release slot); for local stacks the suite starts it itself")
     group.addoption("--model-dir", default=None, help="model version directory on the hosts (default: from the stack)")
+    group.addoption("--sustained-s", type=float, default=None,
+                    help="override the profile's sustained duration (seconds); for testing the checks themselves")
 
 
 @dataclass(frozen=True)
@@ -54,10 +56,15 @@ class LaunchOptions:
 
 def launch_options(config: pytest.Config) -> LaunchOptions:
     report = config.getoption("report", None)
+    profile = get_profile(config.getoption("profile", None) or "quick")
+    sustained = config.getoption("sustained_s", None)
+    if sustained:
+        profile = replace(profile, sustained_s=sustained, sample_interval_s=min(profile.sample_interval_s,
+                                                                                 sustained / 10))
     return LaunchOptions(
         endpoint=(config.getoption("endpoint", None) or "").rstrip("/") or None,
         stack=config.getoption("stack", None) or "local",
-        profile=get_profile(config.getoption("profile", None) or "quick"),
+        profile=profile,
         report=Path(report) if report else None,
         ab_endpoint=config.getoption("ab_endpoint", None),
         model_dir=config.getoption("model_dir", None),

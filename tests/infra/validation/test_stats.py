@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+import pytest
+
+from infra.validation.stats import distribution, error_clustering, linear_fit, percentile, tpot
+
+
+def test_percentile_interpolates_linearly_like_numpy() -> None:
+    values = [1.0, 2.0, 3.0, 4.0, 10.0]
+    assert percentile(values, 50) == 3.0
+    assert percentile(values, 90) == pytest.approx(7.6)  # numpy.percentile(values, 90)
+    assert percentile(values, 99) == pytest.approx(9.76)
+    assert percentile(values, 0) == 1.0 and percentile(values, 100) == 10.0
+
+
+def test_percentile_of_one_value_is_that_value() -> None:
+    assert percentile([0.25], 99) == 0.25
+
+
+def test_percentile_of_nothing_is_none() -> None:
+    assert percentile([], 50) is None
+    assert distribution([]).p99 is None
+
+
+def test_percentile_rejects_q_outside_0_100() -> None:
+    with pytest.raises(ValueError, match="q must lie"):
+        percentile([1.0], 101)
+
+
+def test_percentile_ignores_input_order() -> None:
+    assert percentile([5.0, 1.0, 3.0], 50) == 3.0
+
+
+def test_tpot_is_decode_time_over_tokens_after_the_first() -> None:
+    # 10 tokens, first after 0.5 s, last at 2.3 s: 9 decode intervals in 1.8 s
+    assert tpot(2.3, 0.5, 10) == pytest.approx(0.2)
+
+
+def test_tpot_is_undefined_below_two_tokens() -> None:
+    assert tpot(1.0, 1.0, 1) is None
+    assert tpot(1.0, 1.0, 0) is None
+
+
+def test_linear_fit_recovers_slope_and_intercept() -> None:
+    xs = [0.0, 1.0, 2.0, 3.0]
+    slope, intercept = linear_fit(xs, [5 + 2 * x for x in xs])
+    assert slope == pytest.approx(2.0) and intercept == pytest.approx(5.0)
+
+
+def test_linear_fit_of_a_flat_series_is_zero() -> None:
+    assert linear_fit([0.0, 1.0, 2.0], [7.0, 7.0, 7.0])[0] == 0.0
+
+
+def test_errors_spread_over_the_run_are_not_clustered() -> None:
+    times = [i * 10.0 + 1 for i in range(10)]
+    assert not error_clustering(times, 0, 100).clustered
+
+
+def test_errors_in_one_burst_are_clustered() -> None:
+    result = error_clustering([50.0, 50.5, 51.0, 51.2, 52.0, 90.0], 0, 100)
+    assert result.clustered and result.busiest_share == pytest.approx(5 / 6)
+
+
+def test_a_few_errors_are_never_called_a_cluster() -> None:
+    assert not error_clustering([50.0, 50.1], 0, 100).clustered
