@@ -39,6 +39,7 @@ class RecordedResource:
     inputs: dict[str, Any]  # camelCase inputs as the engine received them; secrets masked
     custom: bool  # False for components
     secret_paths: tuple[str, ...] = ()  # dotted input paths that arrived marked secret
+    outputs: dict[str, Any] = field(default_factory=dict)  # state the mocks answered (ids, ARNs, names)
 
 
 @dataclass
@@ -114,15 +115,20 @@ def _monitor_class() -> Any:
             self.records: list[RecordedResource] = []
 
         def RegisterResource(self, request: Any) -> Any:  # noqa: N802 - gRPC method name
+            response = super().RegisterResource(request)
             if request.type != "pulumi:pulumi:Stack":
                 paths: list[str] = []
                 inputs = _mask(rpc.deserialize_properties(request.object), "", paths)
+                registered = self.resources.get(response.urn)
+                outputs = _mask(dict(registered.state), "", []) if registered else {}
+                if registered and registered.id:
+                    outputs["id"] = registered.id
                 parent = request.parent.rsplit("::", 1)[-1] if request.parent else None
                 if request.parent and request.parent.split("::")[-2].endswith("pulumi:pulumi:Stack"):
                     parent = ""
                 self.records.append(RecordedResource(request.type, request.name, parent, inputs,
-                                                     bool(request.custom), tuple(paths)))
-            return super().RegisterResource(request)
+                                                     bool(request.custom), tuple(paths), outputs))
+            return response
 
     return RecordingMonitor
 
@@ -154,7 +160,9 @@ def _mocks_class() -> Any:
                 state["latestVersion"] = 1
             elif args.typ == "aws:cloudwatch/logGroup:LogGroup":
                 state["arn"] = f"arn:aws:logs:us-east-1:{ACCOUNT_ID}:log-group:{name}"
-            return f"{args.name}-id", state
+            # S3 names buckets by their id; everything else gets a recognisable fake id.
+            resource_id = state["bucket"] if args.typ == "aws:s3/bucket:Bucket" else f"{args.name}-id"
+            return resource_id, state
 
         def call(self, args: pulumi.runtime.MockCallArgs) -> tuple[dict[str, Any], list[tuple[str, str]]]:
             return _invoke_result(args.token, dict(args.args)), []
