@@ -77,6 +77,16 @@ class AwsRelease:
         by_arn = {g["TargetGroupArn"]: g["Weight"] for g in groups}
         return {slot: by_arn[arn] for slot, arn in self.target_groups.items()}
 
+    def set_weights(self, weights: dict[str, int]) -> None:
+        """Route directly (the test's own call, not recorded as the code under test's)."""
+        import boto3
+
+        boto3.client("elbv2").modify_listener(
+            ListenerArn=self.listener_arn,
+            DefaultActions=[{"Type": "forward", "ForwardConfig": {"TargetGroups": [
+                {"TargetGroupArn": self.target_groups[slot], "Weight": weight} for slot, weight in weights.items()]}}])
+        self.calls.clear()
+
     def count(self, operation: str) -> int:
         return sum(1 for call in self.calls if call.endswith(f".{operation}"))
 
@@ -151,11 +161,7 @@ def aws_release(aws_world: AwsRelease) -> AwsRelease:
     """The session's AWS world back at its starting point: 100 % blue, every alarm OK, no calls recorded."""
     import boto3
 
-    boto3.client("elbv2").modify_listener(
-        ListenerArn=aws_world.listener_arn,
-        DefaultActions=[{"Type": "forward", "ForwardConfig": {"TargetGroups": [
-            {"TargetGroupArn": aws_world.target_groups["blue"], "Weight": 100},
-            {"TargetGroupArn": aws_world.target_groups["green"], "Weight": 0}]}}])
+    aws_world.set_weights({"blue": 100, "green": 0})
     for name in aws_world.alarm_names:
         boto3.client("cloudwatch").set_alarm_state(AlarmName=name, StateValue="OK", StateReason="fixture")
     aws_world.calls.clear()
