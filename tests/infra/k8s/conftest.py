@@ -9,6 +9,7 @@ the same components. ``render(stack, config)`` builds from outside the runtime a
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ import pytest
 from infra.config import PROJECT, StackConfig, load_stack
 from infra.k8s_program import KubernetesStack, build_kubernetes
 from infra.k8s_render import render_objects
+from serving import metric_names
 
 
 @dataclass(frozen=True)
@@ -83,12 +85,13 @@ def build_recorded(stack_name: str, config: StackConfig | None = None) -> MockSt
     return holder["stack"]
 
 
-def variant(stack_name: str, **sections: dict[str, Any]) -> StackConfig:
-    """A stack's config with some sections updated, re-validated (e.g. kubernetes={"weight_cache": "hostPath"})."""
+def variant(stack_name: str, **sections: dict[str, Any] | None) -> StackConfig:
+    """A stack's config with sections merged (a dict) or removed (None), re-validated,
+    e.g. ``variant("k8s-dev", kubernetes={"weight_cache": "hostPath"}, draft=None)``."""
     config = load_stack(stack_name).config
     data = config.model_dump()
     for section, changes in sections.items():
-        data[section] = {**(data.get(section) or {}), **changes}
+        data[section] = None if changes is None else {**(data.get(section) or {}), **changes}
     return StackConfig.model_validate(data)
 
 
@@ -116,11 +119,60 @@ def dev() -> LazyStack:
     return LazyStack("k8s-dev")
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def render() -> Callable[..., MockStack]:
     return build_recorded
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def variant_config() -> Callable[..., StackConfig]:
     return variant
+
+
+def exported_series() -> set[str]:
+    """Every series name the server can export: gauges as named, counters `_total`, histograms' parts."""
+    names = {v for k, v in vars(metric_names).items() if k.isupper() and k != "PREFIX"}
+    counters = {metric_names.REQUESTS, metric_names.PROMPT_TOKENS, metric_names.GENERATION_TOKENS,
+                metric_names.PREEMPTIONS, metric_names.SPEC_DRAFTS, metric_names.SPEC_DRAFT_TOKENS,
+                metric_names.SPEC_ACCEPTED_TOKENS}
+    histograms = {n for n in names if n.endswith("_seconds")}
+    gauges = names - counters - histograms
+    return gauges | {f"{c}_total" for c in counters} | {f"{h}{s}" for h in histograms for s in
+                                                         ("_bucket", "_sum", "_count")}
+
+
+def series_in(expr: str) -> set[str]:
+    """Metric names a PromQL expression selects: identifiers before `{` or `[`, and every specdeploy_* name."""
+    without_strings = re.sub(r'"[^"]*"', '""', expr)
+    without_matchers = re.sub(r"\{[^}]*\}", "{}", without_strings)
+    selected = set(re.findall(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\s*[{\[]", without_matchers))
+    selected |= set(re.findall(r"\b(specdeploy_[a-zA-Z0-9_]+)\b", without_matchers))
+    without_groupings = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", without_matchers)
+    return selected & set(re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", without_groupings))
+
+
+def queried_series(config: StackConfig) -> set[str]:
+    """Every series the PrometheusRule and the dashboard of a stack read."""
+    from infra.alerts import alert_rules
+    from infra.dashboards.serving import serving_dashboard
+
+    dashboard = serving_dashboard()
+    queries = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    queries += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
+    queries += [rule.promql for rule in alert_rules(config)]
+    return {name for query in queries for name in series_in(query)}
+
+
+@pytest.fixture(scope="session")
+def series_of() -> Callable[[str], set[str]]:
+    return series_in
+
+
+@pytest.fixture(scope="session")
+def server_series() -> set[str]:
+    return exported_series()
+
+
+@pytest.fixture(scope="session")
+def queried() -> Callable[[StackConfig], set[str]]:
+    return queried_series

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import pulumi
@@ -12,7 +11,6 @@ import pytest
 from infra.alerts import alert_rules
 from infra.config import load_stack
 from infra.dashboards.serving import serving_dashboard
-from serving import metric_names
 
 PROD = load_stack("k8s-prod").config
 RULES = alert_rules(PROD)
@@ -22,28 +20,6 @@ EXPECTED_PANELS = {"Time to first token", "Time per output token", "Throughput",
 
 def _rules(prod: Any) -> pulumi.Output[list[dict[str, Any]]]:
     return prod().stack.observability.rule.spec.apply(lambda spec: spec["groups"][0]["rules"])
-
-
-def exported_series() -> set[str]:
-    """Every series name the server can export: gauges as named, counters `_total`, histograms' parts."""
-    names = {v for k, v in vars(metric_names).items() if k.isupper() and k != "PREFIX"}
-    counters = {metric_names.REQUESTS, metric_names.PROMPT_TOKENS, metric_names.GENERATION_TOKENS,
-                metric_names.PREEMPTIONS, metric_names.SPEC_DRAFTS, metric_names.SPEC_DRAFT_TOKENS,
-                metric_names.SPEC_ACCEPTED_TOKENS}
-    histograms = {n for n in names if n.endswith("_seconds")}
-    gauges = names - counters - histograms
-    return gauges | {f"{c}_total" for c in counters} | {f"{h}{s}" for h in histograms for s in
-                                                         ("_bucket", "_sum", "_count")}
-
-
-def series_in(expr: str) -> set[str]:
-    """Metric names a PromQL expression selects: identifiers before `{` or `[`, and every specdeploy_* name."""
-    without_strings = re.sub(r'"[^"]*"', '""', expr)
-    without_matchers = re.sub(r"\{[^}]*\}", "{}", without_strings)
-    selected = set(re.findall(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\s*[{\[]", without_matchers))
-    selected |= set(re.findall(r"\b(specdeploy_[a-zA-Z0-9_]+)\b", without_matchers))
-    without_groupings = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", without_matchers)
-    return selected & set(re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", without_groupings))
 
 
 def dashboard_queries() -> list[str]:
@@ -159,20 +135,20 @@ def test_dashboard_json_loads_with_the_expected_panels(prod: Any) -> pulumi.Outp
 
 
 @pytest.mark.parametrize("expr", dashboard_queries())
-def test_dashboard_queries_only_server_series(expr: str) -> None:
-    selected = series_in(expr)
+def test_dashboard_queries_only_server_series(expr: str, series_of: Any, server_series: set[str]) -> None:
+    selected = series_of(expr)
     assert selected, f"no series in {expr!r}"
-    assert selected <= exported_series(), f"unknown series {selected - exported_series()} in {expr!r}"
+    assert selected <= server_series, f"unknown series {selected - server_series} in {expr!r}"
 
 
 @pytest.mark.parametrize("rule", RULES, ids=[r.name for r in RULES])
-def test_alert_rules_query_only_server_series(rule: Any) -> None:
-    selected = series_in(rule.promql)
-    assert selected <= exported_series(), f"unknown series {selected - exported_series()} in {rule.promql!r}"
+def test_alert_rules_query_only_server_series(rule: Any, series_of: Any, server_series: set[str]) -> None:
+    selected = series_of(rule.promql)
+    assert selected <= server_series, f"unknown series {selected - server_series} in {rule.promql!r}"
     assert selected == set(rule.server_metrics)
 
 
-def test_series_parser_catches_a_foreign_metric() -> None:
-    assert series_in('sum(rate(vllm:num_requests_waiting{pod="x"}[5m]))') == {"vllm:num_requests_waiting"}
-    assert series_in("histogram_quantile(0.9, sum by (le) (rate(specdeploy_ttft_bucket[5m])))") == {
+def test_series_parser_catches_a_foreign_metric(series_of: Any) -> None:
+    assert series_of('sum(rate(vllm:num_requests_waiting{pod="x"}[5m]))') == {"vllm:num_requests_waiting"}
+    assert series_of("histogram_quantile(0.9, sum by (le) (rate(specdeploy_ttft_bucket[5m])))") == {
         "specdeploy_ttft_bucket"}
