@@ -1,0 +1,38 @@
+"""`specdeploy preview --stack k8s-dev --render-k8s DIR` writes every Kubernetes object as YAML."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from infra.cli.main import main
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    directory = tmp_path_factory.mktemp("render") / "k8s-dev"
+    assert main(["preview", "--stack", "k8s-dev", "--render-k8s", str(directory)]) == 0
+    return sorted(directory.iterdir())
+
+
+def test_one_file_per_object_in_apply_order(written: list[Path]) -> None:
+    kinds = [yaml.safe_load(p.read_text())["kind"] for p in written]
+    assert kinds[0] == "Namespace"
+    assert kinds.index("ConfigMap") < kinds.index("Deployment") < kinds.index("HorizontalPodAutoscaler")
+    assert len(written) == 12  # one slot: no PVC (emptyDir cache), no canary Ingress
+
+
+def test_written_built_in_objects_are_strictly_valid(written: list[Path]) -> None:
+    for path in written:
+        manifest = yaml.safe_load(path.read_text())
+        if manifest["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue  # checked against infra/schemas in test_k8s_manifests.py
+        kubernetes_validate.validate(manifest, "1.33.0", strict=True)
+
+
+def test_stack_without_kubernetes_objects_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["preview", "--stack", "dev", "--render-k8s", str(tmp_path / "out")]) == 2
+    assert "has no Kubernetes objects" in capsys.readouterr().err
