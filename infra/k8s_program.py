@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import pulumi
 
 from infra.components.k8s_autoscaling import QueueAutoscaler, QueueAutoscalerArgs
+from infra.components.k8s_common import kubernetes_spec
 from infra.components.k8s_namespace import ServingNamespace, ServingNamespaceArgs
 from infra.components.k8s_observability import ServingObservability, ServingObservabilityArgs
 from infra.components.k8s_release_slot import ReleaseSlot, ReleaseSlotArgs
@@ -52,9 +53,7 @@ class KubernetesStack:
 
 def build_kubernetes(config: StackConfig) -> KubernetesStack:
     """Build every Kubernetes object of the stack."""
-    if config.kubernetes is None:
-        raise ValueError("platform 'kubernetes' needs a `kubernetes` section")
-    spec = config.kubernetes
+    spec = kubernetes_spec(config)
     release = config.slots
 
     namespace = ServingNamespace("specdeploy", ServingNamespaceArgs(spec=spec))

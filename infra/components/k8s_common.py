@@ -14,7 +14,7 @@ from typing import Any
 
 import pulumi
 
-from infra.config import MODEL_CACHE_DIR, StackConfig
+from infra.config import MODEL_CACHE_DIR, KubernetesSpec, StackConfig
 
 APP = "specdeploy"
 SERVER_COMPONENT = "server"
@@ -41,6 +41,13 @@ _BYTES_PER_PARAM = {"fp32": 4, "fp16": 2, "bf16": 2}
 _LOAD_BYTES_PER_S = 0.5e9
 # CUDA context, allocator reservation, KV cache allocation and the warm-up generation.
 _WARMUP_S = 300
+
+
+def kubernetes_spec(config: StackConfig) -> KubernetesSpec:
+    """The stack's `kubernetes` section; the components cannot be built without it."""
+    if config.kubernetes is None:
+        raise ValueError("platform 'kubernetes' needs a `kubernetes` section in the stack file")
+    return config.kubernetes
 
 
 def app_labels(component: str) -> dict[str, str]:

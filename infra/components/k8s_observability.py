@@ -21,6 +21,7 @@ from infra.components.k8s_common import (
     METRICS_KEY_SECRET_KEY,
     SLOT_LABEL,
     app_labels,
+    kubernetes_spec,
     server_selector,
 )
 from infra.config import StackConfig
@@ -70,9 +71,7 @@ class ServingObservability(pulumi.ComponentResource):
         super().__init__("specdeploy:kubernetes:ServingObservability", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         config = args.config
-        spec = config.kubernetes
-        if spec is None:
-            raise ValueError("kubernetes: section missing; ServingObservability needs it")
+        spec = kubernetes_spec(config)
         # kube-prometheus-stack selects rules and monitors by its Helm release label.
         selected = {**app_labels("monitoring"), "release": spec.prometheus_release}
 

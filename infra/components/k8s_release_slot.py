@@ -24,6 +24,7 @@ from infra.components.k8s_common import (
     SECRETS_DIR,
     SERVER_CONFIG_FILE,
     cache_dir,
+    kubernetes_spec,
     metadata_name,
     server_selector,
     slot_labels,
@@ -95,9 +96,7 @@ class ReleaseSlot(pulumi.ComponentResource):
         super().__init__("specdeploy:kubernetes:ReleaseSlot", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         config, slot = args.config, args.slot
-        spec = config.kubernetes
-        if spec is None:
-            raise ValueError("kubernetes: section missing; a ReleaseSlot needs it")
+        spec = kubernetes_spec(config)
         use_draft = _uses_draft(config)
         if use_draft and args.spec.draft_version is None:
             raise ValueError(f"release.{slot}.draft_version is required: speculative.method is 'draft'")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_kubernetes as k8s
 
-from infra.components.k8s_common import HTTP_PORT_NAME, app_labels
+from infra.components.k8s_common import HTTP_PORT_NAME, SLOT_LABEL, app_labels, kubernetes_spec
 from infra.config import StackConfig
 
 NGINX = "nginx.ingress.kubernetes.io"
@@ -58,9 +58,7 @@ class WeightedRouting(pulumi.ComponentResource):
         super().__init__("specdeploy:kubernetes:WeightedRouting", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         config = args.config
-        spec = config.kubernetes
-        if spec is None:
-            raise ValueError("kubernetes: section missing; WeightedRouting needs it")
+        spec = kubernetes_spec(config)
         release = config.slots
         if release.active not in args.slot_services:
             raise ValueError(f"release.active is {release.active!r} but that slot has no Service")
@@ -106,7 +104,7 @@ class WeightedRouting(pulumi.ComponentResource):
                 metadata={
                     "name": "specdeploy-canary",
                     "namespace": args.namespace,
-                    "labels": {**app_labels("routing"), "specdeploy.dev/slot": str(idle)},
+                    "labels": {**app_labels("routing"), SLOT_LABEL: str(idle)},
                     "annotations": {
                         f"{NGINX}/canary": "true",
                         CANARY_WEIGHT_ANNOTATION: str(self.canary_weight),

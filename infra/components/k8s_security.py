@@ -14,7 +14,14 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_kubernetes as k8s
 
-from infra.components.k8s_common import app_labels, metadata_name, server_selector, slot_labels, slot_object_name
+from infra.components.k8s_common import (
+    app_labels,
+    kubernetes_spec,
+    metadata_name,
+    server_selector,
+    slot_labels,
+    slot_object_name,
+)
 from infra.config import StackConfig
 
 
@@ -40,9 +47,7 @@ class ServingGuards(pulumi.ComponentResource):
     def __init__(self, name: str, args: ServingGuardsArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("specdeploy:kubernetes:ServingGuards", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
-        spec = args.config.kubernetes
-        if spec is None:
-            raise ValueError("kubernetes: section missing; ServingGuards needs it")
+        spec = kubernetes_spec(args.config)
         port: list[k8s.networking.v1.NetworkPolicyPortArgsDict] = [
             {"protocol": "TCP", "port": args.config.service.port}
         ]
