@@ -183,6 +183,13 @@ def _invoke_result(token: str, args: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+def _engine_logger() -> logging.Logger:
+    """Where the engine's diagnostics go: warnings and errors only (the plan is printed by the caller)."""
+    logger = logging.getLogger("specdeploy.preview.engine")
+    logger.setLevel(logging.WARNING)
+    return logger
+
+
 def new_mocks() -> Any:
     """Mocks answering like AWS would (ids, ARNs, DNS names, data sources); for tests of single components."""
     return _mocks_class()()
@@ -211,7 +218,7 @@ def start_program(stack_name: str, stacks_dir: Path | None = None) -> ProgramRun
     pulumi.runtime.settings.ROOT.set(None)  # a fresh root stack per run, also within one process
     # Engine diagnostics (the plan, warnings) go to a logger of their own: the caller prints what it wants.
     pulumi.runtime.set_mocks(mocks, project=PROJECT, stack=stack_name, preview=False, monitor=monitor,
-                             logger=logging.getLogger("specdeploy.preview.engine"))
+                             logger=_engine_logger())
     values, secret_keys = pulumi_config(stack)
     pulumi.runtime.set_all_config(values, secret_keys)
     namespace = runpy.run_path(str(PROGRAM), run_name="__pulumi_program__")
