@@ -115,9 +115,15 @@ def _rollout(args: argparse.Namespace) -> int:
         report_dir = args.report_dir or Path("reports") / "release" / f"{stack.name}-{args.to}-{int(time.time())}"
         _say(f"rollout {stack.name}: {args.to} in steps {','.join(map(str, steps))}% observing {args.observe} each "
              f"via {release.router.description}; log {release.log.path}")
-        outcome = rollout(release, args.to, steps, observe_s, gates,
-                          None if args.skip_validation else validation.launch_validator(args.validation_hosts),
-                          endpoints, report_dir, resume=args.resume)
+        try:
+            outcome = rollout(release, args.to, steps, observe_s, gates,
+                              None if args.skip_validation else validation.launch_validator(args.validation_hosts),
+                              endpoints, report_dir, resume=args.resume)
+        except KeyboardInterrupt:
+            release.log.write("interrupted", slot=args.to)
+            _say(f"interrupted; traffic stays where it is. Continue: specdeploy rollout --stack {stack.name} "
+                 f"--to {args.to} --resume   or go back: specdeploy rollback --stack {stack.name}")
+            raise
     except ReleaseError as exc:
         raise CommandError(str(exc)) from None
     if not outcome.ok:

@@ -306,3 +306,31 @@ def test_launch_validator_runs_the_quick_profile_against_the_slot(monkeypatch: p
     assert calls == [{"endpoint": "http://10.0.1.23:8000", "stack": "prod", "profile": "quick",
                       "report_dir": tmp_path, "hosts": ["ssh://ubuntu@10.0.1.23"]}]
     assert not outcome.passed and "test_ready" in outcome.summary
+
+
+def test_target_group_without_healthy_targets_is_not_ready(aws_release: AwsRelease) -> None:
+    import boto3
+
+    from infra.release.aws import AlbRouter
+
+    elbv2 = boto3.client("elbv2")
+    vpc = elbv2.describe_target_groups(TargetGroupArns=[aws_release.target_groups["green"]])["TargetGroups"][0]["VpcId"]
+    empty = elbv2.create_target_group(Name="specdeploy-prod-empty", Protocol="HTTP", Port=8000, VpcId=vpc,
+                                      TargetType="instance")["TargetGroups"][0]["TargetGroupArn"]
+    try:
+        router = AlbRouter(elbv2, aws_release.listener_arn, {"blue": aws_release.target_groups["blue"], "green": empty})
+        status = router.slot_status("green")
+        assert not status.ready and "no targets registered" in status.detail
+        assert router.slot_status("blue").ready
+    finally:
+        elbv2.delete_target_group(TargetGroupArn=empty)
+
+
+def test_interrupt_says_how_to_continue(aws_release: AwsRelease, prod_copy: Path, slot_server: SlotServer,
+                                        validated: list[str], monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    interrupt_at_50(monkeypatch)
+    assert rollout(aws_release, prod_copy, slot_server) == 130
+    out = capsys.readouterr().out
+    assert "--resume" in out and "specdeploy rollback --stack prod" in out
+    assert events(prod_copy)[-1]["event"] == "interrupted"
