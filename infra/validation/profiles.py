@@ -3,7 +3,9 @@
 - quick: minutes; the CI gate and `make demo` (a 2-core CPU with the demo model must finish it in
   about three minutes). Too short to prove stability; it proves the machinery and catches gross faults.
 - standard: the guide's launch bar: a concurrency sweep and >= 15 minutes of sustained load
-  (guide-planning-launch-operations, 八.2), an A/B over all four prompt sets with three repeats.
+  (guide-planning-launch-operations, 八.2), an A/B over all four prompt sets with four repeats.
+
+A/B levels always include the SLO's target concurrency (the recommendation is made there).
 - soak: the same, sustained for hours (guide-deploy-and-speculative-decoding, 七.4: 不低于数小时).
 """
 
@@ -22,8 +24,9 @@ class Profile:
     sustained_s: float  # closed loop at target concurrency: sustained SLO figures and stability
     ab_prompt_sets: tuple[str, ...]
     ab_concurrency: tuple[int, ...]  # low and high load (clipped to max_concurrency)
-    ab_repeats: int
+    ab_repeats: int  # on/off pairs per cell; with r repeats an all-on-better split arises by chance 1/C(2r, r)
     ab_requests_per_worker: int
+    ab_min_requests: int  # per phase, also at concurrency 1
     sample_interval_s: float  # /metrics polling during load
     warmup_fraction: float = 0.2  # share of the sustained run left out of the memory trend
 
@@ -35,18 +38,18 @@ class Profile:
 PROFILES: dict[str, Profile] = {
     "quick": Profile(
         name="quick", max_tokens=32, sweep_concurrency=(1, 4), sweep_requests_per_worker=2,
-        open_loop_s=10, sustained_s=30, ab_prompt_sets=("code", "writing"), ab_concurrency=(1, 8),
-        ab_repeats=2, ab_requests_per_worker=2, sample_interval_s=1.0,
+        open_loop_s=10, sustained_s=30, ab_prompt_sets=("code", "writing"), ab_concurrency=(1, 4),
+        ab_repeats=4, ab_requests_per_worker=1, ab_min_requests=3, sample_interval_s=1.0,
     ),
     "standard": Profile(
         name="standard", max_tokens=128, sweep_concurrency=(1, 2, 4, 8, 16, 32), sweep_requests_per_worker=4,
         open_loop_s=120, sustained_s=15 * 60, ab_prompt_sets=("code", "chat", "extraction", "writing"),
-        ab_concurrency=(1, 4, 16), ab_repeats=3, ab_requests_per_worker=4, sample_interval_s=2.0,
+        ab_concurrency=(1, 4, 16), ab_repeats=4, ab_requests_per_worker=4, ab_min_requests=8, sample_interval_s=2.0,
     ),
     "soak": Profile(
         name="soak", max_tokens=128, sweep_concurrency=(1, 4, 16), sweep_requests_per_worker=4,
         open_loop_s=300, sustained_s=4 * 3600, ab_prompt_sets=("code", "chat", "extraction", "writing"),
-        ab_concurrency=(1, 4, 16), ab_repeats=3, ab_requests_per_worker=4, sample_interval_s=10.0,
+        ab_concurrency=(1, 4, 16), ab_repeats=4, ab_requests_per_worker=4, ab_min_requests=8, sample_interval_s=10.0,
         warmup_fraction=0.05,
     ),
 }

@@ -219,9 +219,10 @@ def _ab_section(run: LaunchRun) -> str:
                      "–" if rate is None else f"{rate:.0%}", html.escape(d["reason"])])
     rule = run.ab.rule
     parts = [
-        f"<p>Rule (guide 七.3): enable only if P99 E2E latency drops by at least {rule.min_p99_gain:.0%} with "
-        f"repeats that do not overlap, and output-token throughput drops by at most "
-        f"{rule.max_throughput_loss:.0%}. Method: {html.escape(run.ab.method)}</p>",
+        f"<p>Rule (guide 七.3): enable only if P99 E2E latency drops by at least {rule.min_p99_gain:.0%}, the "
+        f"repeats rank that way beyond noise (exact one-sided Mann-Whitney p ≤ {rule.max_p_value:g}), and "
+        f"output-token throughput drops by at most {rule.max_throughput_loss:.0%}. "
+        f"Method: {html.escape(run.ab.method)}</p>",
         _table(["prompt set", "concurrency", "decision", "P99 E2E s off → on", "spread off / on (min–max s)",
                 "tokens/s off → on", "P99 TPOT ms off → on", "acceptance", "why"], rows),
     ]

@@ -101,7 +101,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "model_role" in names:
         metafunc.parametrize("model_role", ["target", "draft"] if config.draft is not None else ["target"])
     if "ab_cell" in names:
-        levels = profile.levels(profile.ab_concurrency, config.scheduler.max_concurrency, 1)
+        levels = profile.levels(profile.ab_concurrency, config.scheduler.max_concurrency,
+                                config.slo.target_concurrency)
         cells = [(ps, c) for ps in profile.ab_prompt_sets for c in levels]
         metafunc.parametrize("ab_cell", cells, ids=[f"{ps}-c{c}" for ps, c in cells])
 
@@ -123,7 +124,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         if report.skipped and isinstance(report.longrepr, tuple):
             message = str(report.longrepr[2])
         elif report.failed:
-            message = report.longreprtext.strip().splitlines()[-1] if report.longreprtext else "failed"
+            crash = getattr(report.longrepr, "reprcrash", None)
+            message = crash.message if crash is not None else (report.longreprtext.strip()[-500:] or "failed")
         run.checks.append(CheckOutcome(report.nodeid, _group_of(report.nodeid), report.outcome, message,
                                        report.duration))
 
@@ -412,7 +414,7 @@ def ab_result(launch_run: LaunchRun, ab_arms: tuple[str, str, str], api_key: str
     from infra.validation.loadgen import load_workloads, run
 
     on_url, off_url, method = ab_arms
-    levels = profile.levels(profile.ab_concurrency, stack.scheduler.max_concurrency, 1)
+    levels = profile.levels(profile.ab_concurrency, stack.scheduler.max_concurrency, stack.slo.target_concurrency)
     by_set = {ps: load_workloads([ps], profile.max_tokens) for ps in profile.ab_prompt_sets}
 
     async def measure() -> Any:
@@ -420,7 +422,7 @@ def ab_result(launch_run: LaunchRun, ab_arms: tuple[str, str, str], api_key: str
             for gen in (on, off):  # warm both arms before anything is timed
                 await gen.closed_loop("A/B warm-up", by_set[profile.ab_prompt_sets[0]], 1, num_requests=2)
             return await run_ab(on, off, by_set, levels, profile.ab_repeats, profile.ab_requests_per_worker,
-                                method=method)
+                                min_requests=profile.ab_min_requests, method=method)
 
     result = run(measure())
     launch_run.ab = result

@@ -32,8 +32,8 @@ def _run() -> LaunchRun:
     for ps in ("code", "writing"):
         for c in (1, 8):
             on, off = ArmResult(), ArmResult()
-            on.phases = [_phase("a", c, 1.0 if ps == "code" else 2.0), _phase("a", c, 1.1 if ps == "code" else 2.1)]
-            off.phases = [_phase("b", c, 2.0), _phase("b", c, 2.05)]
+            on.phases = [_phase("a", c, (1.0 if ps == "code" else 2.0) + r / 10) for r in range(4)]
+            off.phases = [_phase("b", c, 2.0 + r / 20) for r in range(4)]
             cells[(ps, c)] = (on, off)
     run.ab = ABResult(DecisionRule(), cells, method="two servers")
     run.recommendation = run.ab.recommendation(4)

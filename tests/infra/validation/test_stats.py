@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from infra.validation.stats import distribution, error_clustering, linear_fit, percentile, tpot
+from infra.validation.stats import distribution, error_clustering, linear_fit, percentile, rank_test_p, tpot
 
 
 def test_percentile_interpolates_linearly_like_numpy() -> None:
@@ -63,3 +63,20 @@ def test_errors_in_one_burst_are_clustered() -> None:
 
 def test_a_few_errors_are_never_called_a_cluster() -> None:
     assert not error_clustering([50.0, 50.1], 0, 100).clustered
+
+
+def test_rank_test_of_a_perfect_separation_is_one_over_the_number_of_splits() -> None:
+    assert rank_test_p([1, 2, 3, 4], [5, 6, 7, 8]) == pytest.approx(1 / 70)  # C(8, 4) = 70
+
+
+def test_rank_test_allows_one_swapped_pair_at_four_repeats() -> None:
+    assert rank_test_p([1, 2, 3, 5], [4, 6, 7, 8]) == pytest.approx(2 / 70)
+    assert rank_test_p([1, 2, 3, 5], [4, 6, 7, 8]) <= 0.05 < rank_test_p([1, 2, 4, 6], [3, 5, 7, 8])
+
+
+def test_rank_test_of_the_wrong_direction_is_near_one() -> None:
+    assert rank_test_p([5, 6, 7, 8], [1, 2, 3, 4]) == 1.0
+
+
+def test_rank_test_counts_ties_half() -> None:
+    assert rank_test_p([1, 1], [1, 1]) == 1.0
