@@ -247,13 +247,22 @@ class KubernetesSpec(StrictModel):
     weight_cache_size: str = Field("100Gi", description="Size of the cache volume.")
     storage_class: str | None = Field(None, description="StorageClass of the cache PVC.")
     host_path: str = Field("/var/cache/specdeploy/models", description="Node directory for hostPath cache.")
+    routing: Literal["ingress-nginx", "gateway-api"] = Field(
+        "ingress-nginx", description="Weighted blue/green: ingress-nginx canary Ingresses or a Gateway API HTTPRoute."
+    )
+    gateway: str | None = Field(
+        None, pattern=r"^[a-z0-9-]+/[a-z0-9.-]+(/[a-z0-9-]+)?$",
+        description="Gateway the HTTPRoute attaches to: namespace/name[/listener] (routing gateway-api).",
+    )
     ingress_class: str = Field("nginx", description="IngressClass of the ingress controller.")
     tls_secret: str | None = Field(None, description="Secret with the TLS certificate (required if public).")
     api_key_secret: str = Field("specdeploy-api-keys", description="Existing Secret holding the API keys.")
     weights_secret: str | None = Field(None, description="Secret with S3 credentials for the weight pull.")
     prometheus_namespace: str = Field("monitoring", description="Namespace Prometheus scrapes from.")
     prometheus_release: str = Field("kube-prometheus-stack", description="`release` label rules select.")
-    ingress_namespace: str = Field("ingress-nginx", description="Namespace of the ingress controller.")
+    ingress_namespace: str = Field(
+        "ingress-nginx", description="Namespace of the ingress controller or gateway proxy pods (NetworkPolicy)."
+    )
     min_replicas: int = Field(1, ge=0, description="Baseline replicas per active slot.")
     max_replicas: int = Field(4, ge=1, description="Upper bound of the autoscaler.")
     queue_target_per_pod: float = Field(
@@ -265,6 +274,12 @@ class KubernetesSpec(StrictModel):
     startup_budget_s: int | None = Field(
         None, ge=60, description="Startup probe budget for weight load and warm-up; default: from model size."
     )
+
+    @model_validator(mode="after")
+    def _gateway(self) -> KubernetesSpec:
+        if self.routing == "gateway-api" and self.gateway is None:
+            raise ValueError("kubernetes.gateway (namespace/name) is required when kubernetes.routing is gateway-api")
+        return self
 
 
 class LocalSpec(StrictModel):

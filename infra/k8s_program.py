@@ -13,6 +13,7 @@ import pulumi
 
 from infra.components.k8s_autoscaling import QueueAutoscaler, QueueAutoscalerArgs
 from infra.components.k8s_common import kubernetes_spec
+from infra.components.k8s_gateway_routing import GatewayRouting, GatewayRoutingArgs
 from infra.components.k8s_namespace import ServingNamespace, ServingNamespaceArgs
 from infra.components.k8s_observability import ServingObservability, ServingObservabilityArgs
 from infra.components.k8s_release_slot import ReleaseSlot, ReleaseSlotArgs
@@ -30,7 +31,7 @@ class KubernetesStack:
     config: StackConfig
     namespace: ServingNamespace
     slots: dict[str, ReleaseSlot]  # slot name -> its component, only slots the stack defines
-    routing: WeightedRouting
+    routing: WeightedRouting | GatewayRouting  # by kubernetes.routing
     autoscaler: QueueAutoscaler
     guards: ServingGuards
     observability: ServingObservability
@@ -69,11 +70,12 @@ def build_kubernetes(config: StackConfig) -> KubernetesStack:
                 service_account_name=namespace.service_account_name,
             ))
 
-    routing = WeightedRouting("specdeploy", WeightedRoutingArgs(
-        config=config,
-        namespace=namespace.name,
-        slot_services={slot: component.service_name for slot, component in slots.items()},
-    ))
+    slot_services: dict[str, pulumi.Input[str]] = {slot: c.service_name for slot, c in slots.items()}
+    routing: WeightedRouting | GatewayRouting
+    if spec.routing == "gateway-api":
+        routing = GatewayRouting("specdeploy", GatewayRoutingArgs(config, namespace.name, slot_services))
+    else:
+        routing = WeightedRouting("specdeploy", WeightedRoutingArgs(config, namespace.name, slot_services))
     autoscaler = QueueAutoscaler("specdeploy", QueueAutoscalerArgs(
         spec=spec,
         namespace=namespace.name,
