@@ -255,12 +255,14 @@ def record_stack(stack_name: str, stacks_dir: Path | None = None) -> PreviewResu
 
 # Inputs shown first for a resource; everything else scalar follows, up to MAX_PROPERTIES.
 KEY_PROPERTIES = (
+    "metadata.name", "metadata.namespace", "spec.replicas",
     "name", "bucket", "instanceType", "imageId", "internal", "port", "protocol", "sslPolicy", "certificateArn",
     "minSize", "maxSize", "desiredCapacity", "healthCheckType", "healthCheckGracePeriod", "deregistrationDelay",
     "idleTimeout", "threshold", "comparisonOperator", "evaluationPeriods", "imageTagMutability", "cidrBlock",
     "targetValue", "recurrence", "protocol", "endpoint", "policyType",
 )
 MAX_PROPERTIES = 8
+NOISE_PREFIXES = ("tags.", "metadata.labels.", "metadata.annotations.")  # listed last
 LONG_VALUE = 72  # longer strings (policies, user-data) are summarised by size
 
 
@@ -278,7 +280,12 @@ def describe(resource: RecordedResource) -> str:
     """`key=value` summary of a resource's inputs, key properties first."""
     flat = [(k, v) for k, v in _flatten(resource.inputs) if v not in (None, "", [], {})]
     order = {k: i for i, k in enumerate(KEY_PROPERTIES)}
-    flat.sort(key=lambda kv: (order.get(kv[0], len(order)), kv[0]))
+    flat = [(k, v) for k, v in flat if k not in ("apiVersion", "kind")]  # the type token says as much
+
+    def rank(key: str) -> tuple[int, bool, str]:
+        return order.get(key, len(order)), key.startswith(NOISE_PREFIXES), key
+
+    flat.sort(key=lambda kv: rank(kv[0]))
     parts = []
     for key, value in flat[:MAX_PROPERTIES]:
         text = json.dumps(value) if not isinstance(value, str) else value
