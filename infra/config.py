@@ -258,6 +258,10 @@ class KubernetesSpec(StrictModel):
     tls_secret: str | None = Field(None, description="Secret with the TLS certificate (required if public).")
     api_key_secret: str = Field("specdeploy-api-keys", description="Existing Secret holding the API keys.")
     weights_secret: str | None = Field(None, description="Secret with S3 credentials for the weight pull.")
+    service_account_annotations: dict[str, str] = Field(
+        default_factory=dict,
+        description="Annotations of the pods' ServiceAccount, e.g. eks.amazonaws.com/role-arn (workload identity).",
+    )
     prometheus_namespace: str = Field("monitoring", description="Namespace Prometheus scrapes from.")
     prometheus_release: str = Field("kube-prometheus-stack", description="`release` label rules select.")
     ingress_namespace: str = Field(

@@ -48,7 +48,9 @@ class ServingNamespace(pulumi.ComponentResource):
 
         self.service_account = k8s.core.v1.ServiceAccount(
             f"{name}-service-account",
-            metadata={"name": SERVICE_ACCOUNT, "namespace": self.name, "labels": app_labels("server")},
+            metadata={"name": SERVICE_ACCOUNT, "namespace": self.name, "labels": app_labels("server"),
+                      # Workload identity (IRSA, GKE) for the weight pull instead of static keys.
+                      "annotations": dict(spec.service_account_annotations)},
             automount_service_account_token=False,
             opts=child,
         )

@@ -222,6 +222,13 @@ class ReleaseSlot(pulumi.ComponentResource):
                 "seccomp_profile": {"type": "RuntimeDefault"},
             },
             "termination_grace_period_seconds": termination_grace_s(config),
+            "enable_service_links": False,
+            # Soft spread: one GPU node or zone going down should not take every replica of a slot.
+            "topology_spread_constraints": [
+                {"max_skew": 1, "topology_key": key, "when_unsatisfiable": "ScheduleAnyway",
+                 "label_selector": {"match_labels": server_selector(slot)}}
+                for key in ("kubernetes.io/hostname", "topology.kubernetes.io/zone")
+            ],
             "init_containers": init_containers,
             "containers": [server],
             "volumes": volumes,

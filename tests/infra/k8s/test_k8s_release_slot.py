@@ -64,6 +64,17 @@ def test_pods_tolerate_the_gpu_taint(prod: Any) -> pulumi.Output[None]:
 
 
 @pulumi.runtime.test
+def test_replicas_spread_softly_over_nodes_and_zones(prod: Any) -> pulumi.Output[None]:
+    def check(pod: Any) -> None:
+        spread = {(c.topology_key, c.when_unsatisfiable, c.max_skew) for c in pod.topology_spread_constraints}
+        assert spread == {("kubernetes.io/hostname", "ScheduleAnyway", 1),
+                          ("topology.kubernetes.io/zone", "ScheduleAnyway", 1)}
+        assert all(c.label_selector.match_labels["specdeploy.dev/slot"] == "green"
+                   for c in pod.topology_spread_constraints)
+    return _pod(prod, check)
+
+
+@pulumi.runtime.test
 def test_pod_runs_as_non_root(prod: Any) -> pulumi.Output[None]:
     def check(pod: Any) -> None:
         assert pod.security_context.run_as_non_root is True
@@ -239,10 +250,18 @@ def test_api_keys_come_from_the_existing_secret_as_a_file(prod: Any) -> pulumi.O
 
 
 @pulumi.runtime.test
-def test_weight_store_credentials_reach_only_the_pull(prod: Any) -> pulumi.Output[None]:
-    def check(pod: Any) -> None:
+def test_weight_store_credentials_reach_only_the_pull(dev: Any) -> pulumi.Output[None]:
+    def check(spec: Any) -> None:
+        pod = spec.template.spec
         assert all(i.env_from[0].secret_ref.name == "specdeploy-weights-reader" for i in pod.init_containers)
         assert all(not c.env_from for c in pod.containers)
+    return dev().stack.slots["blue"].deployment.spec.apply(check)
+
+
+@pulumi.runtime.test
+def test_workload_identity_stack_mounts_no_static_credentials(prod: Any) -> pulumi.Output[None]:
+    def check(pod: Any) -> None:
+        assert all(not c.env_from for c in pod.containers + pod.init_containers)
     return _pod(prod, check)
 
 

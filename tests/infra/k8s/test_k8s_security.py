@@ -66,6 +66,14 @@ def test_server_service_account_carries_no_api_token(prod: Any) -> pulumi.Output
     return prod().stack.namespace.service_account.automount_service_account_token.apply(check)
 
 
+@pulumi.runtime.test
+def test_service_account_carries_the_workload_identity_annotation(prod: Any) -> pulumi.Output[None]:
+    def check(metadata: Any) -> None:
+        assert metadata.annotations == {
+            "eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/specdeploy-k8s-prod-weights-reader"}
+    return prod().stack.namespace.service_account.metadata.apply(check)
+
+
 def test_host_path_cache_relaxes_enforcement_but_still_warns(render: Any, variant_config: Any) -> None:
     built = render("k8s-dev", variant_config("k8s-dev", kubernetes={"weight_cache": "hostPath"}))
     labels = built.one("Namespace", "specdeploy-dev")["metadata"]["labels"]
