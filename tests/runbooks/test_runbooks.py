@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import re
 import shlex
@@ -173,26 +174,31 @@ def _subcommand_path(parser: argparse.ArgumentParser, argv: list[str]) -> list[s
     return path
 
 
+@functools.cache
+def parser() -> argparse.ArgumentParser:
+    return build_parser()
+
+
 def parse_problem(command: str, mention_only: bool = False) -> str | None:
     """Why ``command`` does not parse with the real parser (None when it does).
 
     ``mention_only``: prose naming a subcommand (`specdeploy weights pull`) needs only its --help.
     """
     argv = shlex.split(command, comments=True)[1:]
-    path = _subcommand_path(build_parser(), argv)
+    path = _subcommand_path(parser(), argv)
     if not path:
         return "no such subcommand"
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         try:
-            build_parser().parse_args([*path, "--help"])
+            parser().parse_args([*path, "--help"])
         except SystemExit as exc:
             if exc.code != 0:
                 return f"`specdeploy {' '.join(path)} --help` failed"
         if argv == path and mention_only:
             return None
         try:
-            args = build_parser().parse_args(argv)
+            args = parser().parse_args(argv)
         except SystemExit:
             return err.getvalue().strip().splitlines()[-1]
     return None if hasattr(args, "func") else "names no runnable command"
