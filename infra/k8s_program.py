@@ -26,7 +26,7 @@ SLOTS = ("blue", "green")
 
 @dataclass(frozen=True)
 class KubernetesStack:
-    """The components of one Kubernetes stack (tests and the preview read them)."""
+    """The components of one Kubernetes stack; tests read them, the program exports `exports()`."""
 
     config: StackConfig
     namespace: ServingNamespace
@@ -37,13 +37,14 @@ class KubernetesStack:
     observability: ServingObservability
 
     def exports(self) -> dict[str, pulumi.Output]:
-        spec = self.config.kubernetes
-        scheme = "https" if spec and spec.tls_secret else "http"
+        spec = kubernetes_spec(self.config)
+        scheme = "https" if spec.tls_secret else "http"
         endpoint = f"{scheme}://{self.routing.host}" if self.routing.host else None
         return {
             "platform": pulumi.Output.from_input("kubernetes"),
             "namespace": self.namespace.name,
             "endpoint": pulumi.Output.from_input(endpoint),
+            "routing": pulumi.Output.from_input(spec.routing),
             "active_slot": pulumi.Output.from_input(self.config.slots.active),
             "canary_weight": pulumi.Output.from_input(self.routing.canary_weight),
             "slot_services": pulumi.Output.all(**{slot: c.service_name for slot, c in self.slots.items()}),

@@ -100,10 +100,6 @@ class ReleaseSlot(pulumi.ComponentResource):
         use_draft = _uses_draft(config)
         if use_draft and args.spec.draft_version is None:
             raise ValueError(f"release.{slot}.draft_version is required: speculative.method is 'draft'")
-        if spec.min_replicas > spec.max_replicas:
-            raise ValueError(
-                f"kubernetes.min_replicas ({spec.min_replicas}) exceeds kubernetes.max_replicas ({spec.max_replicas})"
-            )
 
         object_name = slot_object_name(slot)
         labels = slot_labels(slot)

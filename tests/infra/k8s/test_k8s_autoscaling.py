@@ -66,3 +66,8 @@ def test_fractional_queue_target_is_a_milli_quantity(render: Any, variant_config
 def test_zero_minimum_replicas_is_refused(render: Any, variant_config: Any) -> None:
     with pytest.raises(ValueError, match=r"kubernetes\.min_replicas"):
         render("k8s-dev", variant_config("k8s-dev", kubernetes={"min_replicas": 0}))
+
+
+def test_minimum_above_maximum_is_refused(render: Any, variant_config: Any) -> None:
+    with pytest.raises(ValueError, match=r"kubernetes\.min_replicas \(3\) exceeds kubernetes\.max_replicas \(2\)"):
+        render("k8s-dev", variant_config("k8s-dev", kubernetes={"min_replicas": 3}))

@@ -106,8 +106,8 @@ def test_switching_the_active_slot_moves_the_primary_backend(render: Any, varian
 
 def test_exports_name_the_endpoint_and_weights(render: Any) -> None:
     exports = render("k8s-prod").exports
-    assert (exports["endpoint"], exports["active_slot"], exports["canary_weight"]) == (
-        "https://llm.example.com", "blue", 10)
+    assert (exports["endpoint"], exports["routing"], exports["active_slot"], exports["canary_weight"]) == (
+        "https://llm.example.com", "ingress-nginx", "blue", 10)
 
 
 def test_public_stack_without_tls_is_refused(variant_config: Any) -> None:
