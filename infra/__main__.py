@@ -67,6 +67,7 @@ def deploy_aws(config: StackConfig, stack: str, region: str) -> dict[str, pulumi
             subnet_ids=network.private_subnet_ids, lb_security_group_id=lb.security_group_id,
             target_group_arn=lb.target_group_arns[slot], repository_arn=images.repository_arn,
             secret_arn=api_keys.secret_arn, spot_alternatives=same_gpu[:3],
+            requires_draft=capacity.estimate.draft is not None,
         ), opts=pulumi.ResourceOptions(depends_on=[store]))
     alerting = Alerting("alerts", AlertingArgs(
         stack=stack, region=region, rules=alert_rules(config), runbook_base_url=config.alerting.runbook_base_url,
@@ -78,6 +79,7 @@ def deploy_aws(config: StackConfig, stack: str, region: str) -> dict[str, pulumi
     return {
         "platform": "aws",
         "endpoint": lb.endpoint,
+        "load_balancer_dns": lb.dns_name,  # point access.domain here (alias/CNAME)
         "model_bucket": store.bucket_name,
         "image_repository_url": images.repository_url,
         "api_key_secret_arn": api_keys.secret_arn,

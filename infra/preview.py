@@ -175,7 +175,8 @@ def _invoke_result(token: str, args: dict[str, Any]) -> dict[str, Any]:
     if token == "aws:index/getAvailabilityZones:getAvailabilityZones":
         return {"names": ["us-east-1a", "us-east-1b", "us-east-1c"], "zoneIds": ["use1-az1", "use1-az2", "use1-az4"]}
     if token == "aws:ssm/getParameter:getParameter":
-        return {"name": args.get("name"), "type": "String", "value": "ami-0123456789abcdef0"}
+        ami = "ami-0123456789abcdef0"
+        return {"name": args.get("name"), "type": "String", "value": ami, "insecureValue": ami}
     if token == "aws:elb/getServiceAccount:getServiceAccount":
         return {"arn": "arn:aws:iam::127311923021:root", "id": "127311923021"}
     if token == "aws:index/getCallerIdentity:getCallerIdentity":

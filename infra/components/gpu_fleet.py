@@ -46,6 +46,7 @@ class GpuFleetArgs:
     secret_arn: pulumi.Input[str]
     spot_alternatives: list[str] = field(default_factory=list)  # other types that fit, for spot pools
     log_retention_days: int = 30
+    requires_draft: bool = False  # the server config names a draft model (speculative.method draft)
 
     @property
     def slot(self) -> str:
@@ -64,6 +65,8 @@ class GpuFleetArgs:
         if not _DIGEST.match(self.boot.image):
             raise ValueError(f"{where}.image must pin a digest (<repository>@sha256:<64 hex>), "
                              f"got {self.boot.image!r}")
+        if self.requires_draft and not self.boot.draft_uri:
+            raise ValueError(f"{where}.draft_version is required: speculative.method is 'draft'")
         for key, uri in (("model_version", self.boot.model_uri), ("draft_version", self.boot.draft_uri)):
             if uri is None:
                 continue
@@ -190,8 +193,9 @@ class GpuFleet(pulumi.ComponentResource):
             image_id: pulumi.Input[str] = fleet.ami_id
         else:
             # Resolved at `pulumi up` and pinned in the template: a new AMI shows up as a reviewed diff.
+            # An AMI id is public: `insecure_value` keeps it readable (`value` is always marked secret).
             image_id = aws.ssm.get_parameter_output(
-                name=fleet.ami_ssm_parameter, opts=pulumi.InvokeOutputOptions(parent=self)).value
+                name=fleet.ami_ssm_parameter, opts=pulumi.InvokeOutputOptions(parent=self)).insecure_value
         instance_tags = tags(f"{name}-server", slot=args.slot, stack=args.stack)
         return aws.ec2.LaunchTemplate(
             f"{name}-lt",

@@ -39,8 +39,8 @@ def test_child_names_derive_from_their_component(stack: str, aws_stack: StackFn)
 @pytest.mark.parametrize("stack", STACKS)
 def test_exports_name_what_operators_and_releases_read(stack: str, aws_stack: StackFn) -> None:
     exports = aws_stack(stack).exports
-    assert {"endpoint", "model_bucket", "target_group_arns", "listener_arn", "alarm_names", "active_slot"} <= set(
-        exports)
+    assert {"endpoint", "load_balancer_dns", "model_bucket", "target_group_arns", "listener_arn", "alarm_names",
+            "active_slot"} <= set(exports)
 
 
 @pytest.mark.parametrize("stack", STACKS)

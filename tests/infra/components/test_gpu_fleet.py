@@ -156,6 +156,11 @@ def test_mixed_fleet_keeps_an_on_demand_base_and_fills_with_spot(aws_variant: Va
     assert (distribution["onDemandBaseCapacity"], distribution["onDemandPercentageAboveBaseCapacity"]) == (1, 0)
 
 
+def test_draft_speculation_without_a_draft_version_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"release\.blue\.draft_version is required"):
+        _fleet_args(requires_draft=True)
+
+
 def _fleet_args(**changes: Any) -> GpuFleetArgs:
     config = load_stack("dev").config
     slot = config.slots.blue
@@ -168,7 +173,8 @@ def _fleet_args(**changes: Any) -> GpuFleetArgs:
     fleet = config.fleet.model_copy(update=changes.pop("fleet", {}))
     return GpuFleetArgs(boot=boot, bucket_name="acme-specdeploy-models-dev", instance_type="g6e.xlarge",
                         fleet=fleet, weight_cache_gb=changes.pop("weight_cache_gb", 32), vpc_id="v", subnet_ids=[],
-                        lb_security_group_id="sg", target_group_arn="tg", repository_arn="r", secret_arn="s")
+                        lb_security_group_id="sg", target_group_arn="tg", repository_arn="r", secret_arn="s",
+                        requires_draft=changes.pop("requires_draft", False))
 
 
 def test_image_by_tag_is_refused() -> None:
