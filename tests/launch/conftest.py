@@ -260,17 +260,33 @@ def listen_address(stack: Any) -> str:
 
 
 @pytest.fixture(scope="session")
-def server_pids(request: pytest.FixtureRequest, server_port: int) -> Any:
+def serving_hosts(request: pytest.FixtureRequest, stack: Any) -> list[str]:
+    """Testinfra backends of the serving hosts: --hosts, or this machine for a local stack. A cloud
+    stack without --hosts has no host to inspect (the operator's machine is not one)."""
+    given = [s for s in (request.config.getoption("hosts", None) or "").split(",") if s]
+    if given:
+        return given
+    if stack.platform == "local":
+        return ["local://"]
+    pytest.skip(f"{stack.platform} stack and no --hosts: pass the serving hosts (ssh://..., kubectl://pod?...)")
+
+
+@pytest.fixture(autouse=True)
+def _host_checks_need_a_serving_host(request: pytest.FixtureRequest) -> None:
+    if "host" in request.fixturenames:
+        request.getfixturevalue("serving_hosts")
+
+
+@pytest.fixture(scope="session")
+def server_pids(serving_hosts: list[str], server_port: int) -> Any:
     """A function returning {testinfra host spec: pid listening on the server port} for --hosts."""
     import testinfra
 
     from infra.validation.local_server import parse_ss
 
-    specs = [s for s in (request.config.getoption("hosts", None) or "local://").split(",") if s]
-
     def current() -> dict[str, int | None]:
         pids: dict[str, int | None] = {}
-        for spec in specs:
+        for spec in serving_hosts:
             output = testinfra.get_host(spec).run("ss -H -ltnp").stdout
             found = sorted({e.pid for e in parse_ss(output) if e.port == server_port and e.pid is not None})
             pids[spec] = found[0] if len(found) == 1 else None

@@ -98,4 +98,6 @@ def test_quick_profile_passes_against_the_local_deployment(local_deployment: tup
     result = run_validation(endpoint, "local", "quick", tmp_path / "report", api_key=key)
     assert result.summary, f"no report written (pytest exit code {result.exit_code})"
     assert result.report_html.is_file() and result.report_markdown.is_file()
-    assert result.passed, f"launch gate failed: {result.failed_checks}; see {result.report_markdown}"
+    failures = [f"{c['nodeid'].split('::', 1)[1]}: {c['message'][:160]}" for c in result.summary["checks"]
+                if c["outcome"] == "failed"]
+    assert result.passed, f"launch gate failed ({result.report_markdown}):\n" + "\n".join(failures)
