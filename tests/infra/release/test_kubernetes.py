@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import copy
 import json
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
@@ -35,7 +34,7 @@ from infra.release.kubernetes import (
 )
 from infra.release.model import weights_to
 
-from .conftest import SlotServer
+from .conftest import SlotServer, loopback_http
 
 FAST = ["--observe", "0.5s", "--poll", "0.1s", "--skip-validation"]
 
@@ -187,16 +186,9 @@ def api_server(rendered: list[dict[str, Any]]) -> Iterator[FakeApiServer]:
         def log_message(self, *args: Any) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    fake.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
+    with loopback_http(Handler) as url:
+        fake.url = url
         yield fake
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
 
 
 @pytest.fixture
