@@ -45,7 +45,7 @@ def distill_draft(args: argparse.Namespace) -> Path:
     train_files, heldout_files = corpus.split()
     if args.max_files is not None:
         train_files, heldout_files = train_files[: args.max_files], heldout_files[:2]
-    train = encode_files(tokenizer, train_files)
+    train = encode_files(tokenizer, train_files, args.token_cache)
     heldout = fixed_windows(encode_files(tokenizer, heldout_files), args.seq_len, limit=16)
 
     shape = TINY_SHAPE if args.tiny else DRAFT_SHAPE

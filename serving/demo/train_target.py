@@ -44,7 +44,7 @@ def train_target(args: argparse.Namespace) -> Path:
     train_files, heldout_files = corpus.split()
     if args.max_files is not None:
         train_files, heldout_files = train_files[: args.max_files], heldout_files[:2]
-    train = encode_files(tokenizer, train_files)
+    train = encode_files(tokenizer, train_files, args.token_cache)
     heldout = fixed_windows(encode_files(tokenizer, heldout_files), args.seq_len, limit=32)
     log.info("train tokens %d from %d files; held-out windows %d", len(train), len(train_files), len(heldout))
 

@@ -55,16 +55,32 @@ def llama_config(shape: Shape, tokenizer: PreTrainedTokenizerBase) -> LlamaConfi
     )
 
 
-def encode_files(tokenizer: PreTrainedTokenizerBase, files: list[str]) -> torch.Tensor:
-    """All files as one flat token stream, each file followed by the eos token."""
+def encode_files(tokenizer: PreTrainedTokenizerBase, files: list[str], cache_dir: Path | None = None) -> torch.Tensor:
+    """All files as one flat token stream, each file followed by the eos token.
+
+    With cache_dir, the stream is kept there keyed by the tokenizer and the file list, so a
+    restarted or follow-on run (distillation after training) skips re-encoding.
+    """
+    import hashlib
+
     import torch
 
+    cache = None
+    if cache_dir is not None:
+        key = hashlib.sha256((tokenizer.backend_tokenizer.to_str() + "\n".join(files)).encode()).hexdigest()
+        cache = cache_dir / f"tokens-{key[:16]}.pt"
+        if cache.exists():
+            return torch.load(cache)
     texts = list(corpus.read_texts(files))
     ids: list[int] = []
     for encoded in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]:
         ids.extend(encoded)
         ids.append(tokenizer.eos_token_id)
-    return torch.tensor(ids, dtype=torch.long)
+    stream = torch.tensor(ids, dtype=torch.long)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(stream, cache)
+    return stream
 
 
 def random_windows(stream: torch.Tensor, batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
@@ -148,4 +164,5 @@ def add_common_args(parser: Any, out: Path, steps: int, max_minutes: float) -> N
     parser.add_argument("--checkpoint-minutes", type=float, default=5.0)
     parser.add_argument("--eval-every", type=int, default=200)
     parser.add_argument("--max-files", type=int, default=None, help="use the first N training files (tests)")
+    parser.add_argument("--token-cache", type=Path, default=None, help="keep the encoded corpus here")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer x 32 model, to prove the script runs")
