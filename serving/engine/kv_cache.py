@@ -33,11 +33,16 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
+        # per-layer views made once: indexing self.k[layer] in every layer of every step costs more than it looks
+        self._k_slots = [k.view(-1, n_kv_heads, head_dim) for k in self.k.unbind(0)]  # [num_slots, Hkv, D]
+        self._v_slots = [v.view(-1, n_kv_heads, head_dim) for v in self.v.unbind(0)]
+        self._k_blocks = list(self.k.unbind(0))  # [num_blocks, block_size, Hkv, D]
+        self._v_blocks = list(self.v.unbind(0))
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k/v [T, Hkv, D] at flat slots [T] (block * block_size + offset)."""
-        self.k[layer].view(-1, self.n_kv_heads, self.head_dim).index_copy_(0, slots, k)
-        self.v[layer].view(-1, self.n_kv_heads, self.head_dim).index_copy_(0, slots, v)
+        self._k_slots[layer].index_copy_(0, slots, k)
+        self._v_slots[layer].index_copy_(0, slots, v)
 
     def gather(
         self, layer: int, block_tables: torch.Tensor, key_len: int
@@ -45,8 +50,8 @@ class KVCache:
         """Context K/V of a group of sequences: block_tables [G, B] -> [G, Hkv, key_len, D] (key_len <= B * bs)."""
         g, b = block_tables.shape
         flat = block_tables.reshape(-1)  # index_select copies whole blocks, ~3x faster than advanced indexing
-        k = self.k[layer].index_select(0, flat).view(g, b * self.block_size, self.n_kv_heads, self.head_dim)
-        v = self.v[layer].index_select(0, flat).view(g, b * self.block_size, self.n_kv_heads, self.head_dim)
+        k = self._k_blocks[layer].index_select(0, flat).view(g, b * self.block_size, self.n_kv_heads, self.head_dim)
+        v = self._v_blocks[layer].index_select(0, flat).view(g, b * self.block_size, self.n_kv_heads, self.head_dim)
         return k[:, :key_len].transpose(1, 2), v[:, :key_len].transpose(1, 2)
 
 

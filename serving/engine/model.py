@@ -102,8 +102,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # normalise in fp32, scale in the model dtype: the reference's rounding order (F.rms_norm is
         # slower on CPU for small rows: it upcasts and decomposes)
-        if x.dtype == torch.float32:
-            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        if x.dtype == torch.float32:  # sum * (1/dim) rather than mean(): mean adds a dtype round trip per call
+            mean_square = x.pow(2).sum(-1, keepdim=True).mul_(1.0 / x.shape[-1])
+            return self.weight * (x * torch.rsqrt(mean_square.add_(self.eps)))
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)

@@ -133,3 +133,27 @@ def test_counters_track_tokens_and_steps(kit: Any, llama_dir: Path) -> None:
     assert stats.generation_tokens_total == 10
     assert stats.requests_finished_total == 2
     assert stats.steps_total == len(stats.recent_step_durations_s) > 0
+
+
+def demo_target() -> Path | None:
+    try:
+        from serving.demo import target_path
+    except ImportError:
+        return None
+    path = target_path()
+    return path if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file() else None
+
+
+@pytest.mark.skipif(demo_target() is None, reason="demo target weights not present")
+def test_demo_target_greedy_matches_transformers_generate_for_64_tokens(kit: Any) -> None:
+    path = demo_target()
+    assert path is not None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    texts = ["def fibonacci(n):\n", "import os\nimport sys\n\n\nclass ", "# Copyright"]
+    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    expected = hf_greedy(path, prompts, 64)
+    engine = kit.make_engine(path, max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    assert kit.run_to_completion(engine, prompts, [params] * len(prompts)) == expected
