@@ -126,6 +126,8 @@ def _rollout(args: argparse.Namespace) -> int:
             raise
     except ReleaseError as exc:
         raise CommandError(str(exc)) from None
+    except _cloud_errors() as exc:
+        raise CommandError(f"AWS API: {exc}") from None
     if not outcome.ok:
         _say(f"{'rolled back' if outcome.rolled_back else 'stopped before any traffic moved'}: {outcome.reason}")
         _say(f"all traffic is on {outcome.active} ({_weights(outcome.weights)}); details in {release.log.path}")
@@ -146,10 +148,21 @@ def _rollback(args: argparse.Namespace) -> int:
         outcome = rollback(release, args.to)
     except ReleaseError as exc:
         raise CommandError(str(exc)) from None
+    except _cloud_errors() as exc:
+        raise CommandError(f"AWS API: {exc}") from None
     _say(f"rolled back: all traffic on {outcome.active} ({_weights(outcome.weights)}) via {release.router.description}")
     _print_commit(stack, outcome, f"release({stack.name}): roll back to {outcome.active}")
     reconcile(stack.name, run=not args.no_pulumi_up)
     return 0
+
+
+def _cloud_errors() -> tuple[type[Exception], ...]:
+    """botocore's errors (no credentials, access denied, unreachable endpoint), when boto3 is in use."""
+    if "botocore" not in sys.modules:
+        return ()
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    return (BotoCoreError, ClientError)
 
 
 def reconcile(stack: str, run: bool) -> None:

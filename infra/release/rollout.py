@@ -173,10 +173,11 @@ def _start_or_resume(release: Release, target: Slot, steps: list[int], observe_s
     if spec.active == target:
         raise ReleaseError(f"{target} is already the active slot of {name} (a canary on the other slot is "
                            f"removed with `specdeploy rollback --stack {name}`)")
+    routed = release.router.weights()  # also proves the router is reachable before any state is kept
     state = RolloutState(stack=name, from_slot=other(target), to_slot=target, steps=steps, observe_s=observe_s)
     release.store.save(state)
     release.log.write("start", slot=target, from_slot=state.from_slot, steps=steps, observe_s=observe_s,
-                      weights=release.router.weights())
+                      weights=routed)
     return state
 
 

@@ -334,3 +334,11 @@ def test_interrupt_says_how_to_continue(aws_release: AwsRelease, prod_copy: Path
     out = capsys.readouterr().out
     assert "--resume" in out and "specdeploy rollback --stack prod" in out
     assert events(prod_copy)[-1]["event"] == "interrupted"
+
+
+def test_aws_errors_are_one_line(aws_release: AwsRelease, prod_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["rollback", "--stack", "prod", "--stacks-dir", str(prod_copy), "--no-pulumi-up", "--listener-arn",
+                 aws_release.listener_arn.replace("listener/app/", "listener/app/x"),
+                 "--target-group", f"blue={aws_release.target_groups['blue']}",
+                 "--target-group", f"green={aws_release.target_groups['green']}"]) == 2
+    assert "specdeploy: error: AWS API:" in capsys.readouterr().err
