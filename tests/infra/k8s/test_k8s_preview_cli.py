@@ -33,6 +33,14 @@ def test_written_built_in_objects_are_strictly_valid(written: list[Path]) -> Non
         kubernetes_validate.validate(manifest, "1.33.0", strict=True)
 
 
-def test_stack_without_kubernetes_objects_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["preview", "--stack", "dev", "--render-k8s", str(tmp_path / "out")]) == 2
-    assert "has no Kubernetes objects" in capsys.readouterr().err
+def test_stack_without_kubernetes_objects_is_an_error(tmp_path: Path) -> None:
+    from infra.cli.main import CommandError
+    from infra.cli.preview_cmd import _render_k8s
+    from infra.config import load_stack
+    from infra.preview import PreviewResult, RecordedResource
+
+    bucket = RecordedResource("aws:s3/bucket:Bucket", "models", "", {"bucket": "b"}, True)
+    result = PreviewResult("dev", load_stack("dev").config, [bucket])
+    with pytest.raises(CommandError, match="has no Kubernetes objects"):
+        _render_k8s(result, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
