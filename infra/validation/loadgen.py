@@ -218,6 +218,12 @@ def _error_message(raw: bytes) -> str:
     return str(message or raw[:200].decode("utf-8", "replace"))[:200]
 
 
+def completion_text(payload: dict[str, Any]) -> str:
+    """The generated text of a non-streaming completion or chat completion response."""
+    choice = payload["choices"][0]
+    return str(choice["text"] if "text" in choice else choice["message"]["content"])
+
+
 def _chunk_text(choice: dict[str, Any]) -> str:
     if "text" in choice:
         return str(choice.get("text") or "")

@@ -6,7 +6,6 @@ recovery, boundary input: over-long, empty, special characters).
 
 from __future__ import annotations
 
-import json
 import time
 import unicodedata
 from typing import Any
@@ -15,7 +14,7 @@ import httpx
 import pytest
 
 from infra.validation import prom
-from infra.validation.loadgen import Workload, load_workloads
+from infra.validation.loadgen import RequestRecord, Workload, completion_text, load_workloads, run, stream_request
 from serving import metric_names
 
 pytestmark = pytest.mark.launch
@@ -32,11 +31,6 @@ def _first_workload(category: str) -> Workload:
 def _complete(http: httpx.Client, model: str, workload: Workload, stream: bool = False) -> httpx.Response:
     path, body = workload.body(model, stream=stream)
     return http.post(path, json=body)
-
-
-def _text(payload: dict[str, Any]) -> str:
-    choice = payload["choices"][0]
-    return str(choice.get("text") if "text" in choice else choice["message"]["content"])
 
 
 def _printable_share(text: str) -> float:
@@ -78,7 +72,7 @@ def test_typical_request_returns_sensible_untruncated_text(http: httpx.Client, m
     response = _complete(http, model_name, workload)
     assert response.status_code == 200, response.text
     payload = response.json()
-    text, finish = _text(payload), payload["choices"][0]["finish_reason"]
+    text, finish = completion_text(payload), payload["choices"][0]["finish_reason"]
     tokens = payload["usage"]["completion_tokens"]
     assert text.strip(), f"empty completion for a {prompt_set} prompt"
     assert _printable_share(text) >= 0.95, f"completion is mostly unprintable: {text[:80]!r}"
@@ -98,25 +92,18 @@ def test_long_input_near_the_limit_is_answered(http: httpx.Client, model_name: s
     assert response.json()["usage"]["completion_tokens"] >= 1
 
 
-def test_streaming_equals_non_streaming_for_greedy(http: httpx.Client, model_name: str, prompt_set: str) -> None:
+def test_streaming_equals_non_streaming_for_greedy(http: httpx.Client, endpoint: str, api_key: str | None,
+                                                   model_name: str, prompt_set: str) -> None:
     workload = _first_workload(prompt_set)
-    whole = _text(_complete(http, model_name, workload).json())
-    path, body = workload.body(model_name, stream=True)
-    pieces: list[str] = []
-    done = False
-    with http.stream("POST", path, json=body) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                done = True
-                break
-            for choice in json.loads(data).get("choices", []):
-                pieces.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
-    assert done, "stream did not end with data: [DONE]"
-    assert "".join(pieces) == whole
+    whole = completion_text(_complete(http, model_name, workload).json())
+
+    async def stream() -> RequestRecord:
+        async with httpx.AsyncClient(base_url=endpoint, timeout=300) as client:
+            return await stream_request(client, workload, model_name, time.perf_counter(), api_key)
+
+    record = run(stream())
+    assert record.ok, f"stream failed ({record.status}): {record.error}"
+    assert record.text == whole
 
 
 def test_client_disconnect_mid_stream_frees_kv_blocks(http: httpx.Client, endpoint: str, model_name: str,

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from infra.validation.loadgen import auth_headers, load_workloads
+from infra.validation.loadgen import auth_headers, completion_text, load_workloads
 
 pytestmark = pytest.mark.launch
 
@@ -39,8 +39,7 @@ def test_greedy_output_is_identical_with_and_without_speculation(ab_arms: tuple[
     for url in ab_arms[:2]:
         response = httpx.post(f"{url}{path}", json=body, headers=auth_headers(api_key), timeout=300)
         assert response.status_code == 200, response.text[:300]
-        choice = response.json()["choices"][0]
-        texts.append(choice.get("text") if "text" in choice else choice["message"]["content"])
+        texts.append(completion_text(response.json()))
     assert texts[0] == texts[1], "speculation changed greedy output: it must be lossless"
 
 
