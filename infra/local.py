@@ -84,6 +84,7 @@ class LocalDeployment:
         self.config: StackConfig = stack.config
         self.root = stack.path.resolve().parent.parent
         self.paths = LocalPaths(self._local_path(self.config.local.state_dir))
+        self._process: subprocess.Popen[bytes] | None = None  # set when this object started the server
 
     # ---- paths and URIs ----------------------------------------------------------------------------
 
@@ -176,6 +177,7 @@ class LocalDeployment:
                 cwd=self.root, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,  # survives this command; `down` stops it
             )
+        self._process = proc
         self.paths.pid_file.write_text(f"{proc.pid}\n")
         logger.info("server started (pid %d), log %s", proc.pid, self.paths.log_file)
 
@@ -186,8 +188,9 @@ class LocalDeployment:
             if status.is_ready:
                 return status
             if not status.running:
-                raise LocalError(f"server exited before becoming ready; log {self.paths.log_file}:\n"
-                                 f"{self.log_tail()}")
+                code = self._process.poll() if self._process is not None else None
+                raise LocalError(f"server (pid file {self.paths.pid_file}: {self._pid_text()}) is not running "
+                                 f"(exit code {code}); log {self.paths.log_file}:\n{self.log_tail()}")
             reason = (status.ready or {}).get("reason", "")
             if reason.startswith(("weights verification failed", "start-up failed")):
                 self.down()
@@ -229,9 +232,17 @@ class LocalDeployment:
             pid = int(self.paths.pid_file.read_text().strip())
         except (OSError, ValueError):
             return None
+        if self._process is not None and self._process.pid == pid:  # started by this object
+            return pid if self._process.poll() is None else None
         if not _alive(pid) or not _is_our_server(pid, self.paths.server_config):
             return None
         return pid
+
+    def _pid_text(self) -> str:
+        try:
+            return self.paths.pid_file.read_text().strip()
+        except OSError:
+            return "missing"
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         try:

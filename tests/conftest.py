@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -16,18 +17,44 @@ CHAT_TEMPLATE = (
 
 @pytest.fixture(scope="session")
 def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random 2-layer Llama with the demo tokenizer and a chat template: real weights, real
-    tokenizer, milliseconds per step. For server and deployment tests, not for output quality."""
+    """A random 2-layer Llama checkpoint in Hugging Face layout with the demo tokenizer and a chat
+    template: real weights file, real tokenizer, milliseconds per step. Written with safetensors
+    directly (no transformers import). For server and deployment tests, not for output quality."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from safetensors.torch import save_file
 
     path = tmp_path_factory.mktemp("tiny-chat-model")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False,
-                         initializer_range=0.1)
-    LlamaForCausalLM(config).save_pretrained(path)
+    vocab, dim, hidden, layers, heads, kv_heads = 4096, 64, 128, 2, 4, 2
+    head_dim = dim // heads
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "vocab_size": vocab, "hidden_size": dim, "intermediate_size": hidden, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0,
+        "tie_word_embeddings": False, "torch_dtype": "float32",
+    }
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.1
+
+    tensors = {"model.embed_tokens.weight": w(vocab, dim), "model.norm.weight": torch.ones(dim),
+               "lm_head.weight": w(vocab, dim)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "self_attn.q_proj.weight": w(heads * head_dim, dim),
+            p + "self_attn.k_proj.weight": w(kv_heads * head_dim, dim),
+            p + "self_attn.v_proj.weight": w(kv_heads * head_dim, dim),
+            p + "self_attn.o_proj.weight": w(dim, heads * head_dim),
+            p + "mlp.gate_proj.weight": w(hidden, dim),
+            p + "mlp.up_proj.weight": w(hidden, dim),
+            p + "mlp.down_proj.weight": w(dim, hidden),
+            p + "input_layernorm.weight": torch.ones(dim),
+            p + "post_attention_layernorm.weight": torch.ones(dim),
+        }
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(DEMO_TOKENIZER / name, path / name)
     (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)

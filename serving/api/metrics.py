@@ -72,6 +72,7 @@ class ServerMetrics:
                                          registry=reg)
         self.gpu_used: Gauge | None = None
         self.gpu_total: Gauge | None = None
+        self.gpu_utilization: Gauge | None = None
         self._seen: dict[str, float] = {}  # engine totals already turned into counter increments
         self._steps_seen = 0
 
@@ -79,6 +80,8 @@ class ServerMetrics:
         if self.gpu_used is None:
             self.gpu_used = Gauge(names.GPU_MEMORY_USED, "GPU memory in use on this device", registry=self.registry)
             self.gpu_total = Gauge(names.GPU_MEMORY_TOTAL, "GPU memory of this device", registry=self.registry)
+            self.gpu_utilization = Gauge(names.GPU_UTILIZATION, "GPU busy share over the last sample period (NVML)",
+                                         registry=self.registry)
 
     def _advance(self, counter: Counter, key: str, total: float) -> None:
         delta = total - self._seen.get(key, 0.0)
@@ -94,6 +97,8 @@ class ServerMetrics:
             used, total = _gpu_memory()
             self.gpu_used.set(used)
             self.gpu_total.set(total)
+            if self.gpu_utilization is not None:
+                self.gpu_utilization.set(_gpu_utilization())
         if stats is None:
             return
         self.running.set(stats.num_running)
@@ -133,3 +138,13 @@ def _gpu_memory() -> tuple[float, float]:
 
     free, total = torch.cuda.mem_get_info()
     return float(total - free), float(total)
+
+
+def _gpu_utilization() -> float:
+    """0..1 from NVML through torch; NaN where NVML (pynvml) is not installed."""
+    import torch
+
+    try:
+        return float(torch.cuda.utilization()) / 100.0
+    except Exception:  # ModuleNotFoundError (pynvml) or an NVML error: report unknown, never fail a scrape
+        return float("nan")

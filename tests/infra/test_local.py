@@ -108,6 +108,13 @@ def test_log_never_contains_the_key(deployment: LocalDeployment) -> None:
     assert key and key not in deployment.paths.log_file.read_text()
 
 
+def test_speculative_counters_are_exported_when_the_stack_enables_speculation(deployment: LocalDeployment) -> None:
+    text = httpx.get(f"{deployment.endpoint}/metrics", timeout=10).text
+    for name in ("specdeploy_spec_drafts_total", "specdeploy_spec_draft_tokens_total",
+                 "specdeploy_spec_accepted_tokens_total"):
+        assert f"\n{name} " in text, name
+
+
 def test_down_drains_and_stops_then_status_says_not_running(deployment: LocalDeployment, checkout: Path) -> None:
     stacks = str(checkout / "stacks")
     pid = deployment.status().pid

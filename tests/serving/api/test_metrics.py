@@ -1,0 +1,68 @@
+"""/metrics of a real server exports every series named in serving.metric_names (the names the
+alert rules and the dashboard query), and nothing under specdeploy_ that is not named there."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from serving import metric_names
+
+COUNTERS = {metric_names.REQUESTS, metric_names.PROMPT_TOKENS, metric_names.GENERATION_TOKENS,
+            metric_names.PREEMPTIONS, metric_names.SPEC_DRAFTS, metric_names.SPEC_DRAFT_TOKENS,
+            metric_names.SPEC_ACCEPTED_TOKENS}
+HISTOGRAMS = {metric_names.TTFT, metric_names.TPOT, metric_names.INTER_TOKEN, metric_names.E2E,
+              metric_names.QUEUE_TIME, metric_names.STEP_TIME}
+CUDA_ONLY = {metric_names.GPU_MEMORY_USED, metric_names.GPU_MEMORY_TOTAL, metric_names.GPU_UTILIZATION}
+SPECULATIVE_ONLY = {metric_names.SPEC_DRAFTS, metric_names.SPEC_DRAFT_TOKENS, metric_names.SPEC_ACCEPTED_TOKENS}
+ALL = {v for k, v in vars(metric_names).items() if k.isupper() and k != "PREFIX" and isinstance(v, str)}
+
+
+def _exported(text: str) -> set[str]:
+    names = set()
+    for line in text.splitlines():
+        match = re.match(r"# TYPE (\S+) (\S+)", line)
+        if match:  # counters are typed as `<name>_total` or `<name>` depending on the client version
+            names.add(match.group(1).removesuffix("_total") if match.group(2) == "counter" else match.group(1))
+    return names
+
+
+def test_every_named_series_is_exported_on_cpu_without_speculation(server: Any) -> None:
+    with server.client() as client:
+        client.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4})
+        text = client.get("/metrics").text
+    exported = _exported(text)
+    assert ALL - CUDA_ONLY - SPECULATIVE_ONLY <= exported, sorted(ALL - CUDA_ONLY - SPECULATIVE_ONLY - exported)
+    assert {n for n in exported if n.startswith("specdeploy_")} <= ALL
+    for name in COUNTERS - SPECULATIVE_ONLY:
+        assert re.search(rf"^{name}_total(\{{.*\}})? ", text, re.M), name
+    for name in HISTOGRAMS:
+        assert f"{name}_bucket{{" in text, name
+    assert re.search(r'^specdeploy_requests_total\{endpoint="/v1/completions",status="200"\} [1-9]', text, re.M)
+    assert "_created" not in text
+
+
+def test_token_counters_follow_the_engine(server: Any) -> None:
+    before = server.metric("specdeploy_generation_tokens_total")
+    with server.client() as client:
+        client.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 7, "ignore_eos": True})
+    assert server.metric("specdeploy_generation_tokens_total") - before == 7
+    assert server.metric("specdeploy_ready") == 1
+    assert server.metric("specdeploy_process_resident_memory_bytes") > 50e6
+
+
+def test_metrics_can_require_a_key(tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from serving.api.settings import ApiKeyEntry, Settings
+    from serving.config import ServerConfig
+    from serving.main import create_app
+
+    config = ServerConfig.model_validate({"service": {"metrics_require_auth": True},
+                                          "model": {"path": str(tmp_path / "absent")}})
+    settings = Settings(config=config, api_keys=(ApiKeyEntry("prom", "scrape-key-0123456789"),))
+    with TestClient(create_app(settings)) as client:
+        assert client.get("/metrics").status_code == 401
+        assert client.get("/metrics", headers={"Authorization": "Bearer scrape-key-0123456789"}).status_code == 200
+        assert client.get("/ready").status_code == 503  # probes stay open
