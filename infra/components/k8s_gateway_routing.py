@@ -17,7 +17,7 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from infra.components.k8s_common import app_labels, kubernetes_spec
-from infra.components.k8s_routing import OPEN_CIDRS
+from infra.components.k8s_routing import OPEN_CIDRS, traffic_split
 from infra.config import StackConfig
 
 GATEWAY_API = "gateway.networking.k8s.io/v1"
@@ -58,21 +58,15 @@ class GatewayRouting(pulumi.ComponentResource):
                 "access.allowed_cidrs cannot be enforced by an HTTPRoute (kubernetes.routing gateway-api): "
                 "restrict sources on the Gateway and set access.allowed_cidrs to [0.0.0.0/0]"
             )
-        release = config.slots
-        if release.active not in args.slot_services:
-            raise ValueError(f"release.active is {release.active!r} but that slot has no Service")
-        idle = release.idle_slot
-        idle_service = args.slot_services.get(idle) if idle else None
-        if release.canary_weight and idle_service is None:
-            raise ValueError("release.canary_weight > 0 needs both slots defined")
+        split = traffic_split(config, args.slot_services)
         self.host = config.access.domain
-        self.canary_weight = release.canary_weight if idle_service is not None else 0
+        self.canary_weight = split.canary_weight
 
         port = config.service.port
         backends: list[dict[str, Any]] = [
-            {"name": args.slot_services[release.active], "port": port, "weight": 100 - self.canary_weight}]
-        if idle_service is not None:
-            backends.append({"name": idle_service, "port": port, "weight": self.canary_weight})
+            {"name": split.active_service, "port": port, "weight": 100 - split.canary_weight}]
+        if split.idle_service is not None:
+            backends.append({"name": split.idle_service, "port": port, "weight": split.canary_weight})
         route_spec: dict[str, Any] = {
             "parentRefs": [parent_ref(spec.gateway)],
             "rules": [{

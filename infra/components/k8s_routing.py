@@ -30,6 +30,28 @@ class WeightedRoutingArgs:
     slot_services: dict[str, pulumi.Input[str]]  # slot name -> its Service name
 
 
+@dataclass(frozen=True)
+class TrafficSplit:
+    """Which Service takes the traffic and how much goes to the idle slot's."""
+
+    active_service: pulumi.Input[str]
+    idle_service: pulumi.Input[str] | None  # None while the stack defines one slot
+    canary_weight: int  # percent on the idle slot; 0 without one
+
+
+def traffic_split(config: StackConfig, slot_services: dict[str, pulumi.Input[str]]) -> TrafficSplit:
+    """The release section applied to the slots that have a Service; shared by both routing modes."""
+    release = config.slots
+    if release.active not in slot_services:
+        raise ValueError(f"release.active is {release.active!r} but that slot has no Service")
+    idle = release.idle_slot
+    idle_service = slot_services.get(idle) if idle else None
+    if release.canary_weight and idle_service is None:
+        raise ValueError("release.canary_weight > 0 needs both slots defined")
+    weight = release.canary_weight if idle_service is not None else 0
+    return TrafficSplit(slot_services[release.active], idle_service, weight)
+
+
 def _primary_annotations(config: StackConfig) -> dict[str, str]:
     timeout = str(int(config.scheduler.request_timeout_s) + 30)
     annotations = {
@@ -59,15 +81,9 @@ class WeightedRouting(pulumi.ComponentResource):
         child = pulumi.ResourceOptions(parent=self)
         config = args.config
         spec = kubernetes_spec(config)
-        release = config.slots
-        if release.active not in args.slot_services:
-            raise ValueError(f"release.active is {release.active!r} but that slot has no Service")
-        idle = release.idle_slot
-        idle_service = args.slot_services.get(idle) if idle else None
-        if release.canary_weight and idle_service is None:
-            raise ValueError("release.canary_weight > 0 needs both slots defined")
+        split = traffic_split(config, args.slot_services)
         self.host = config.access.domain
-        self.canary_weight = release.canary_weight if idle_service is not None else 0
+        self.canary_weight = split.canary_weight
 
         def ingress_spec(service: pulumi.Input[str]) -> k8s.networking.v1.IngressSpecArgsDict:
             rule: k8s.networking.v1.IngressRuleArgsDict = {"http": {"paths": [{
@@ -93,25 +109,25 @@ class WeightedRouting(pulumi.ComponentResource):
                 "labels": app_labels("routing"),
                 "annotations": _primary_annotations(config),
             },
-            spec=ingress_spec(args.slot_services[release.active]),
+            spec=ingress_spec(split.active_service),
             opts=child,
         )
 
         self.canary = None
-        if idle_service is not None:
+        if split.idle_service is not None:
             self.canary = k8s.networking.v1.Ingress(
                 f"{name}-canary-ingress",
                 metadata={
                     "name": "specdeploy-canary",
                     "namespace": args.namespace,
-                    "labels": {**app_labels("routing"), SLOT_LABEL: str(idle)},
+                    "labels": {**app_labels("routing"), SLOT_LABEL: str(config.slots.idle_slot)},
                     "annotations": {
                         f"{NGINX}/canary": "true",
                         CANARY_WEIGHT_ANNOTATION: str(self.canary_weight),
                         f"{NGINX}/canary-weight-total": "100",
                     },
                 },
-                spec=ingress_spec(idle_service),
+                spec=ingress_spec(split.idle_service),
                 opts=child,
             )
 
