@@ -131,3 +131,23 @@ def test_manifests_are_written_one_file_per_object_in_apply_order(rendered: dict
     assert [p.name for p in paths] == sorted(p.name for p in tmp_path.iterdir())
     assert paths[0].name == "01-namespace-specdeploy.yaml"
     assert [yaml.safe_load(p.read_text()) for p in paths] == rendered["k8s-prod"]
+
+
+VARIANTS = {
+    "host-path-cache": ("k8s-dev", {"kubernetes": {"weight_cache": "hostPath"}}),
+    "cpu-only-no-gpu": ("k8s-dev", {"kubernetes": {"gpus_per_pod": 0, "node_selector": {}, "tolerations": []}}),
+    "metrics-auth": ("k8s-dev", {"service": {"metrics_require_auth": True}}),
+    "green-active-full-canary": ("k8s-prod", {"release": {"active": "green", "canary_weight": 100}}),
+    "no-speculation": ("k8s-prod", {"speculative": {"enabled": False}}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_config_variants_render_valid_objects(name: str, render: Any, variant_config: Any) -> None:
+    stack, sections = VARIANTS[name]
+    objects = render(stack, variant_config(stack, **sections)).manifests
+    errors = [e for e in (_strict_errors(m, VERSIONS[-1]) for m in objects if m["kind"] not in CUSTOM_KINDS) if e]
+    assert not errors, "\n".join(errors)
+    for manifest in objects:
+        if manifest["kind"] in CUSTOM_KINDS:
+            jsonschema.Draft202012Validator(_schema(manifest["kind"])).validate(manifest)
