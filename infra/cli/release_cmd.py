@@ -95,6 +95,7 @@ def _say(line: str) -> None:
 def _rollout(args: argparse.Namespace) -> int:
     from infra.release import validation
     from infra.release.gates import GateThresholds, GateWatcher, SlotMetrics, http_fetch
+    from infra.release.kubernetes import IngressCanaryRouter
     from infra.release.model import ReleaseError, parse_duration, parse_steps
     from infra.release.rollout import rollout
 
@@ -107,6 +108,12 @@ def _rollout(args: argparse.Namespace) -> int:
         release, alarms, endpoints = _connect(stack, options, args, slot=args.to, with_alarms=True)
         endpoints = endpoints or release.router.slot_status(args.to).endpoints
         metrics = SlotMetrics(endpoints, http_fetch(os.environ.get("SPECDEPLOY_API_KEY"))) if endpoints else None
+        if metrics is None and isinstance(release.router, IngressCanaryRouter) and \
+                not stack.config.service.metrics_require_auth:
+            # No port-forward needed: read every pod of the slot through the API server's proxy.
+            router, port = release.router, stack.config.service.port
+            metrics = SlotMetrics(lambda: router.pod_proxies(args.to, port), router.api.get_text)
+            release.log.write("metrics_via_api_proxy", slot=args.to)
         if metrics is None:
             release.log.write("metrics_gate_off", slot=args.to, reason="no endpoint reaches the slot alone")
             _say(f"warning: no endpoint for {args.to}: error-rate/P99 gate off, alarms only (pass --slot-endpoint)")

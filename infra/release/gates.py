@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from infra.config import StackConfig
+from infra.release.model import ReleaseError
 from infra.release.state import StepLog
 from infra.release.traffic import AlarmSource
 from serving import metric_names as m
@@ -108,15 +109,26 @@ def http_fetch(api_key: str | None = None, timeout_s: float = 5.0) -> Fetch:
 
 
 class SlotMetrics:
-    """The summed /metrics of every endpoint of one slot."""
+    """The summed /metrics of every endpoint of one slot.
 
-    def __init__(self, endpoints: Sequence[str], fetch: Fetch | None = None) -> None:
-        self.endpoints = [e.rstrip("/") for e in endpoints]
+    ``endpoints`` is a list, or a function listing them at each scrape (pods come and go).
+    """
+
+    def __init__(self, endpoints: Sequence[str] | Callable[[], Sequence[str]], fetch: Fetch | None = None) -> None:
+        self._endpoints = endpoints
         self._fetch = fetch or http_fetch()
+
+    @property
+    def endpoints(self) -> list[str]:
+        listed = self._endpoints() if callable(self._endpoints) else self._endpoints
+        return [e.rstrip("/") for e in listed]
 
     def snapshot(self) -> MetricsSnapshot:
         total = MetricsSnapshot()
-        for endpoint in self.endpoints:
+        endpoints = self.endpoints
+        if not endpoints:
+            raise ValueError("no endpoint of the slot to read")
+        for endpoint in endpoints:
             one = parse_snapshot(self._fetch(f"{endpoint}/metrics"))
             buckets = dict(total.buckets)
             for le, count in one.buckets.items():
@@ -191,8 +203,8 @@ class GateWatcher:
             return None, None
         try:
             return self.metrics.snapshot(), None
-        except (OSError, ValueError) as exc:
-            return None, f"cannot read {slot}'s /metrics ({', '.join(self.metrics.endpoints)}): {exc}"
+        except (OSError, ValueError, ReleaseError) as exc:
+            return None, f"cannot read {slot}'s /metrics: {exc}"
 
     def _judge(self, slot: str, window: MetricsSnapshot) -> str | None:
         t = self.thresholds

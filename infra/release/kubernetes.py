@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from infra.components.k8s_common import APP, SLOT_LABEL, slot_object_name
+from infra.components.k8s_common import APP, SLOT_LABEL, server_selector, slot_object_name
 from infra.release.model import ReleaseError, Weights, as_slot, other
 from infra.release.traffic import FiringAlarm, SlotStatus
 
@@ -159,6 +159,19 @@ class KubeApi:
     def merge_patch(self, path: str, patch: Mapping[str, Any]) -> dict[str, Any]:
         return self.request("PATCH", path, patch, "application/merge-patch+json")
 
+    def get_text(self, path: str) -> str:
+        """A non-JSON body, e.g. a pod's /metrics through the API server's proxy."""
+        request = urllib.request.Request(f"{self.server}{path}")
+        if self.token:
+            request.add_header("Authorization", f"Bearer {self.token}")
+        self.calls.append(("GET", path))
+        try:
+            with urllib.request.urlopen(request, timeout=30, context=self.context) as response:
+                body: bytes = response.read()
+        except urllib.error.HTTPError as exc:
+            raise ReleaseError(f"Kubernetes API GET {path}: HTTP {exc.code}") from None
+        return body.decode("utf-8", errors="replace")
+
 
 def _material(user: Mapping[str, Any], field: str) -> str | None:
     """A client certificate/key as a file path (inline ``-data`` is written to a private temp file)."""
@@ -210,6 +223,13 @@ class IngressCanaryRouter:
         name = canary["metadata"]["name"]
         self.api.merge_patch(f"/apis/networking.k8s.io/v1/namespaces/{self.namespace}/ingresses/{name}",
                              canary_patch(canary, weights))
+
+    def pod_proxies(self, slot: str, port: int) -> list[str]:
+        """API-server proxy paths of the slot's running pods: their /metrics without a port-forward."""
+        selector = ",".join(f"{k}={v}" for k, v in server_selector(slot).items())
+        pods = self.api.get(f"/api/v1/namespaces/{self.namespace}/pods", labelSelector=selector).get("items", [])
+        return [f"/api/v1/namespaces/{self.namespace}/pods/{pod['metadata']['name']}:{port}/proxy"
+                for pod in pods if pod.get("status", {}).get("phase") == "Running"]
 
     def slot_status(self, slot: str) -> SlotStatus:
         name = slot_object_name(slot)

@@ -122,6 +122,7 @@ class FakeApiServer:
     calls: list[tuple[str, str]] = field(default_factory=list)
     firing: list[str] = field(default_factory=list)  # alert names Prometheus reports firing ...
     firing_after_patches: int = 0  # ... once this many routing changes happened
+    pod_metrics: SlotServer | None = None  # what green's pods answer on /metrics through the API proxy
 
     def patches(self) -> list[str]:
         return [path for method, path in self.calls if method == "PATCH"]
@@ -168,6 +169,20 @@ def api_server(rendered: list[dict[str, Any]]) -> Iterator[FakeApiServer]:
                 return self._reply(200, {"status": "success", "data": {"alerts": alerts}})
             if url.path in fake.objects:
                 return self._reply(200, fake.objects[url.path])
+            if url.path == "/api/v1/namespaces/specdeploy/pods":
+                selector = parse_qs(url.query)["labelSelector"][0]
+                assert "specdeploy.dev/slot=green" in selector and "app.kubernetes.io/component=server" in selector
+                pods = [{"metadata": {"name": f"specdeploy-green-{i}"}, "status": {"phase": "Running"}}
+                        for i in range(2)]
+                return self._reply(200, {"kind": "PodList", "items": pods})
+            if url.path.endswith(":8000/proxy/metrics") and fake.pod_metrics is not None:
+                fake.pod_metrics.serve(5)
+                body = fake.pod_metrics.metrics().encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return None
             if url.path.endswith("/ingresses"):
                 wanted = dict(s.split("=") for s in parse_qs(url.query)["labelSelector"][0].split(","))
                 items = [o for p, o in fake.objects.items() if p.startswith(url.path + "/")
@@ -245,3 +260,22 @@ def test_unready_deployment_is_refused(api_server: FakeApiServer, kubeconfig: Pa
     assert k8s("rollout", prod_copy, kubeconfig, "--to", "green", "--slot-endpoint", slot_server.url, *FAST) == 1
     assert api_server.patches() == []
     assert "green is not ready: deployment specdeploy-green: 0/" in capsys.readouterr().out
+
+
+def test_without_an_endpoint_the_pods_metrics_are_read_through_the_api_proxy(
+        api_server: FakeApiServer, kubeconfig: Path, prod_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pods = api_server.pod_metrics = SlotServer()
+    original = pods.metrics
+
+    def failing_after_first_shift() -> str:
+        if api_server.patches():
+            pods.error_requests += 20
+        return original()
+
+    pods.metrics = failing_after_first_shift  # type: ignore[method-assign]
+    assert k8s("rollout", prod_copy, kubeconfig, "--to", "green", *FAST) == 1
+    assert "green error rate" in capsys.readouterr().out
+    proxied = [path for method, path in api_server.calls if path.endswith("/proxy/metrics")]
+    assert {p.split("/pods/")[1] for p in proxied} == {"specdeploy-green-0:8000/proxy/metrics",
+                                                       "specdeploy-green-1:8000/proxy/metrics"}
+    assert canary_weights(api_server.canary()) == {"green": 0, "blue": 100}
