@@ -150,6 +150,17 @@ def _stashed_run(_: object) -> LaunchRun | None:
     return None
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without --endpoint there is no deployment to check: the launch checks are deselected (the
+    project's own test run collects this directory too; test_ci_quick.py brings its own deployment)."""
+    if launch_options(config).endpoint is not None:
+        return
+    launch = [item for item in items if item.get_closest_marker("launch") is not None]
+    if launch:
+        config.hook.pytest_deselected(items=launch)
+        items[:] = [item for item in items if item.get_closest_marker("launch") is None]
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     options = launch_options(session.config)
     if options.endpoint is None:

@@ -1,4 +1,5 @@
-"""CI gate: the quick profile against a real local deployment of the demo pair, end to end.
+"""CI gate: the quick profile against a real local deployment of the demo pair, end to end
+(and, under `make soak`, the standard profile).
 
 The deployment is the local stack's chain on a free loopback port: the bundled demo weights are
 pushed to a file:// store and pulled back (hash-verified, manifest.json in place), the server config
@@ -92,12 +93,23 @@ def local_deployment(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]
         shutil.rmtree(root, ignore_errors=True)
 
 
-def test_quick_profile_passes_against_the_local_deployment(local_deployment: tuple[str, str],
-                                                           tmp_path: Path) -> None:
-    endpoint, key = local_deployment
-    result = run_validation(endpoint, "local", "quick", tmp_path / "report", api_key=key)
+def _gate(endpoint: str, key: str, profile: str, report_dir: Path) -> None:
+    result = run_validation(endpoint, "local", profile, report_dir, api_key=key)
     assert result.summary, f"no report written (pytest exit code {result.exit_code})"
     assert result.report_html.is_file() and result.report_markdown.is_file()
     failures = [f"{c['nodeid'].split('::', 1)[1]}: {c['message'][:160]}" for c in result.summary["checks"]
                 if c["outcome"] == "failed"]
     assert result.passed, f"launch gate failed ({result.report_markdown}):\n" + "\n".join(failures)
+
+
+def test_quick_profile_passes_against_the_local_deployment(local_deployment: tuple[str, str],
+                                                           tmp_path: Path) -> None:
+    _gate(*local_deployment, "quick", tmp_path / "report")
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(4 * 3600)
+def test_standard_profile_passes_against_the_local_deployment(local_deployment: tuple[str, str],
+                                                              tmp_path: Path) -> None:
+    """The guide's launch bar on the demo pair: >= 15 minutes sustained, full A/B (`make soak`)."""
+    _gate(*local_deployment, "standard", tmp_path / "report")
