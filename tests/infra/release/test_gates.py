@@ -120,3 +120,19 @@ def test_firing_alarm_blocks_the_start(tmp_path: Path) -> None:
     alarms = Alarms()
     alarms.firing_now = [FiringAlarm("prod-SpecdeployQueueBacklog", "Threshold Crossed")]
     assert "already firing" in (watcher(tmp_path, alarms, None).preflight() or "")
+
+
+def test_reads_the_real_servers_exposition() -> None:
+    """The server's own /metrics page (serving.api.metrics), not a hand-written one."""
+    from serving.api.metrics import ServerMetrics
+
+    server = ServerMetrics(speculative=False)
+    for status, count in (("200", 97), ("500", 2), ("503", 1), ("429", 5)):
+        server.requests.labels(endpoint="/v1/chat/completions", status=status).inc(count)
+    for seconds in [0.3] * 98 + [35.0] * 2:
+        server.e2e.observe(seconds)
+    snap = parse_snapshot(server.render().decode())
+    assert (snap.requests, snap.errors) == (105, 3)
+    assert snap.latency_count == 100
+    assert snap.latency_quantile(0.5) == pytest.approx(0.4, abs=0.11)
+    assert 20 < (snap.latency_quantile(0.99) or 0) <= 40
