@@ -219,7 +219,8 @@ def _ab_section(run: LaunchRun) -> str:
                      "–" if rate is None else f"{rate:.0%}", html.escape(d["reason"])])
     rule = run.ab.rule
     parts = [
-        f"<p>Rule (guide 七.3): enable only if P99 E2E latency drops by at least {rule.min_p99_gain:.0%}, the "
+        f"<p>Rule (deployment guide, launch validation step 3): enable only if P99 E2E latency drops by at "
+        f"least {rule.min_p99_gain:.0%}, the "
         f"repeats rank that way beyond noise (exact one-sided Mann-Whitney p ≤ {rule.max_p_value:g}), and "
         f"output-token throughput drops by at most {rule.max_throughput_loss:.0%}. "
         f"Method: {html.escape(run.ab.method)}</p>",
@@ -258,12 +259,17 @@ def render_html(run: LaunchRun) -> str:
     if slo_rows:
         parts.append(f"<p>Measured in: {html.escape(figure_title)}</p>")
         parts.append(_table(["figure", "target", "measured", "result"], slo_rows))
+    else:
+        parts.append("<p class='skip'>Not measured in this run.</p>")
     parts.append("<h2>Performance baseline</h2>")
     sweep_plot = plot_sweep(run.sweep)
     if sweep_plot:
         parts.append(f"<img alt='latency and throughput vs concurrency' src='data:image/png;base64,{sweep_plot}'>")
     phases = run.sweep + [p for p in (run.open_loop, run.sustained) if p is not None]
-    parts.append(_table(_SWEEP_HEADERS, _sweep_rows(phases, run), numeric=set(range(1, 14))))
+    if phases:
+        parts.append(_table(_SWEEP_HEADERS, _sweep_rows(phases, run), numeric=set(range(1, 14))))
+    else:
+        parts.append("<p class='skip'>No load phase ran.</p>")
     parts.append("<h2>Speculative decoding A/B</h2>")
     ab_plot = plot_ab(run.ab) if run.ab else None
     if ab_plot:
@@ -273,6 +279,8 @@ def render_html(run: LaunchRun) -> str:
     memory_plot = plot_memory(run)
     if memory_plot:
         parts.append(f"<img alt='memory over time' src='data:image/png;base64,{memory_plot}'>")
+    else:
+        parts.append("<p class='skip'>No sustained run in this session.</p>")
     parts.append("<h2>Checks</h2>")
     for group in GROUPS:
         rows = [[html.escape(c.nodeid.split("::", 1)[-1]),
