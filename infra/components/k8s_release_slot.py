@@ -37,6 +37,8 @@ from infra.config import MODEL_CACHE_DIR, KubernetesSpec, SlotSpec, StackConfig,
 # The image's non-root user (serving/Dockerfile); any non-zero uid works with the volumes below.
 RUN_AS_USER = 10001
 STARTUP_PERIOD_S = 10
+# Time a rollout allows the init containers to pull a version into a cold cache, on top of the startup budget.
+PULL_ALLOWANCE_S = 600
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,7 @@ class ReleaseSlot(pulumi.ComponentResource):
         if spec.gpus_per_pod:
             resources["nvidia.com/gpu"] = str(spec.gpus_per_pod)
         startup_budget = startup_budget_s(config)
+        rollout_budget = startup_budget + PULL_ALLOWANCE_S
         server: k8s.core.v1.ContainerArgsDict = {
             "name": "server",
             "image": args.spec.image,
@@ -244,14 +247,19 @@ class ReleaseSlot(pulumi.ComponentResource):
                 "selector": {"match_labels": server_selector(slot)},
                 # A new pod must be ready before an old one goes: capacity never dips during a rollout.
                 "strategy": {"type": "RollingUpdate", "rolling_update": {"max_surge": 1, "max_unavailable": 0}},
-                "progress_deadline_seconds": startup_budget + 600,
+                "progress_deadline_seconds": rollout_budget,
                 "template": {
                     "metadata": {"labels": labels},
                     "spec": pod_spec,
                 },
             },
-            # The autoscaler owns the replica count after creation.
-            opts=pulumi.ResourceOptions(parent=self, ignore_changes=["spec.replicas"]),
+            opts=pulumi.ResourceOptions(
+                parent=self,
+                # The autoscaler owns the replica count after creation.
+                ignore_changes=["spec.replicas"],
+                # `pulumi up` waits for the rollout (pull + load + warm-up), not pulumi-kubernetes' 10 minutes.
+                custom_timeouts=pulumi.CustomTimeouts(create=f"{rollout_budget}s", update=f"{rollout_budget}s"),
+            ),
         )
         self.deployment_name = metadata_name(self.deployment)
 

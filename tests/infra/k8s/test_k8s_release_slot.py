@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from infra.components.k8s_common import cache_dir, startup_budget_s, termination_grace_s
+from infra.components.k8s_release_slot import PULL_ALLOWANCE_S
 from infra.config import load_stack, render_server_config
 
 PROD = load_stack("k8s-prod").config
@@ -227,6 +228,13 @@ def test_startup_budget_covers_weight_load_and_warm_up(prod: Any) -> pulumi.Outp
         assert probe.period_seconds * probe.failure_threshold >= startup_budget_s(PROD)
         assert probe.failure_threshold == math.ceil(338 / probe.period_seconds)
     return _server(prod, check)
+
+
+@pulumi.runtime.test
+def test_rollout_deadline_covers_a_cold_pull_and_the_startup_budget(prod: Any) -> pulumi.Output[None]:
+    def check(spec: Any) -> None:
+        assert spec.progress_deadline_seconds == startup_budget_s(PROD) + PULL_ALLOWANCE_S == 938
+    return prod().stack.slots["green"].deployment.spec.apply(check)
 
 
 @pulumi.runtime.test
