@@ -226,32 +226,48 @@ def start_program(stack_name: str, stacks_dir: Path | None = None) -> ProgramRun
     return ProgramRun(stack, monitor.records, dict(namespace.get("exports", {})))
 
 
-def record_stack(stack_name: str, stacks_dir: Path | None = None) -> PreviewResult:
-    """Run the program for `stack_name` to completion and return everything it registered."""
+def record_in_runtime(stack_name: str, stacks_dir: Path | None = None) -> PreviewResult:
+    """Register the stack and wait until every resource is recorded and every export resolved.
+
+    Call inside a running Pulumi runtime (a ``@pulumi.runtime.test``); :func:`record_stack`
+    provides one when there is none.
+    """
     import pulumi
-    from pulumi.runtime.stack import run_pulumi_func
+    from pulumi.runtime.stack import wait_for_rpcs
     from pulumi.runtime.sync_await import _sync_await
 
-    holder: dict[str, Any] = {}
-
-    def program() -> None:
-        run = start_program(stack_name, stacks_dir)
-        holder["run"] = run
-        keys = sorted(run.exports)
-        resolved = _sync_await(pulumi.Output.all(*[pulumi.Output.from_input(run.exports[k]) for k in keys]).future())
-        holder["exports"] = dict(zip(keys, resolved or [], strict=False))
-
-    pulumi.runtime.settings.ROOT.set(None)
-    _sync_await(run_pulumi_func(program))
-    run = holder["run"]
-    resources = sorted(run.records, key=lambda r: (r.type, r.name))
+    run = start_program(stack_name, stacks_dir)
+    _sync_await(wait_for_rpcs(await_all_outstanding_tasks=False))
+    keys = sorted(run.exports)
+    outputs = [pulumi.Output.from_input(run.exports[k]) for k in keys]
+    values = _sync_await(pulumi.Output.all(*outputs).future())
+    secret = [_sync_await(output.is_secret()) for output in outputs]
+    exports = {k: SECRET_MASK if is_secret else _mask(v, k, [])
+               for k, v, is_secret in zip(keys, values or [], secret, strict=False)}
     config = run.stack.config
     plan_text = None
     if config.platform == "aws":
         from infra.capacity import plan
 
         plan_text = plan(config).render()
-    return PreviewResult(stack_name, config, resources, holder.get("exports", {}), plan_text)
+    resources = sorted(run.records, key=lambda r: (r.type, r.name))
+    return PreviewResult(stack_name, config, resources, exports, plan_text)
+
+
+def record_stack(stack_name: str, stacks_dir: Path | None = None) -> PreviewResult:
+    """Run the program for `stack_name` to completion and return everything it registered."""
+    import pulumi
+    from pulumi.runtime.stack import run_pulumi_func
+    from pulumi.runtime.sync_await import _sync_await
+
+    holder: dict[str, PreviewResult] = {}
+
+    def program() -> None:
+        holder["result"] = record_in_runtime(stack_name, stacks_dir)
+
+    pulumi.runtime.settings.ROOT.set(None)
+    _sync_await(run_pulumi_func(program))
+    return holder["result"]
 
 
 # Inputs shown first for a resource; everything else scalar follows, up to MAX_PROPERTIES.

@@ -1,9 +1,12 @@
-"""AWS stacks recorded under Pulumi's mocks engine (infra/preview.py), shared by tests/infra.
+"""AWS stacks built under Pulumi's mocks engine (infra/preview.py), shared by tests/infra.
 
-``aws_stack("prod")`` runs infra/__main__.py for stacks/Pulumi.prod.yaml once per test
-session and returns every registered resource with its inputs (secrets masked).
-``aws_variant("dev", fleet={...})`` records a copy of a stack with sections changed,
-for the cases the four stack files do not cover (spot capacity, an existing VPC, ...).
+``aws_stack("prod")`` runs infra/__main__.py for stacks/Pulumi.prod.yaml and returns every
+registered resource with its inputs and mocked outputs (secrets masked) and the resolved
+exports. Call it from a ``@pulumi.runtime.test``: the first test that asks builds the stack
+inside its runtime (config and mocks are context variables) and waits for every
+registration; later tests, in any module, read the same recording.
+``aws_variant("dev", fleet={...})`` builds a copy of a stack with sections changed, for the
+cases the stack files do not cover (spot capacity, an existing VPC, ...).
 """
 
 from __future__ import annotations
@@ -17,14 +20,14 @@ import pytest
 import yaml
 
 from infra.config import PROJECT, STACKS_DIR
-from infra.preview import PreviewResult, record_stack
+from infra.preview import PreviewResult, record_in_runtime
 
 AWS_STACKS = ("dev", "staging", "prod")
 
 
 @functools.cache
 def _recorded(stack: str) -> PreviewResult:
-    return record_stack(stack)
+    return record_in_runtime(stack)
 
 
 @pytest.fixture(scope="session")
@@ -52,6 +55,6 @@ def write_variant(directory: Path, stack: str, **sections: Any) -> Path:
 @pytest.fixture
 def aws_variant(tmp_path: Path) -> Callable[..., PreviewResult]:
     def build(stack: str, **sections: Any) -> PreviewResult:
-        return record_stack(stack, write_variant(tmp_path, stack, **sections))
+        return record_in_runtime(stack, write_variant(tmp_path, stack, **sections))
 
     return build

@@ -6,6 +6,7 @@ import re
 import sys
 from collections.abc import Callable
 
+import pulumi
 import pytest
 
 from infra.alerts import alert_rules
@@ -18,12 +19,14 @@ COMPONENTS = {"ModelStore", "Network", "ImageRepository", "ApiKeySecret", "LoadB
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_stack_builds_every_component(stack: str, aws_stack: StackFn) -> None:
     tokens = {r.type for r in aws_stack(stack).resources if not r.custom}
     assert tokens == {f"specdeploy:aws:{name}" for name in COMPONENTS}
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_every_resource_belongs_to_a_component(stack: str, aws_stack: StackFn) -> None:
     result = aws_stack(stack)
     components = {r.name for r in result.resources if not r.custom}
@@ -31,12 +34,14 @@ def test_every_resource_belongs_to_a_component(stack: str, aws_stack: StackFn) -
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_child_names_derive_from_their_component(stack: str, aws_stack: StackFn) -> None:
     result = aws_stack(stack)
     assert all(r.name.startswith(f"{r.parent}-") for r in result.resources if r.custom)
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_exports_name_what_operators_and_releases_read(stack: str, aws_stack: StackFn) -> None:
     exports = aws_stack(stack).exports
     assert {"endpoint", "load_balancer_dns", "model_bucket", "target_group_arns", "listener_arn", "alarm_names",
@@ -44,25 +49,30 @@ def test_exports_name_what_operators_and_releases_read(stack: str, aws_stack: St
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_exported_alarm_names_cover_the_alert_set(stack: str, aws_stack: StackFn) -> None:
     names = aws_stack(stack).exports["alarm_names"]
     assert sorted(names) == sorted(f"{stack}-{r.name}" for r in alert_rules(load_stack(stack).config))
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_exported_target_groups_are_blue_and_green(stack: str, aws_stack: StackFn) -> None:
     assert sorted(aws_stack(stack).exports["target_group_arns"]) == ["blue", "green"]
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_exported_active_slot_is_the_stacks(stack: str, aws_stack: StackFn) -> None:
     assert aws_stack(stack).exports["active_slot"] == load_stack(stack).config.slots.active
 
 
+@pulumi.runtime.test
 def test_internal_endpoint_is_plain_http_on_the_alb(aws_stack: StackFn) -> None:
     assert re.fullmatch(r"http://internal-.*\.elb\.amazonaws\.com", aws_stack("dev").exports["endpoint"])
 
 
+@pulumi.runtime.test
 def test_a_defined_green_slot_gets_its_own_fleet(aws_variant: Callable[..., PreviewResult]) -> None:
     release = load_stack("staging").config.slots.model_dump(mode="json")
     release["green"] = release["blue"]
@@ -70,6 +80,7 @@ def test_a_defined_green_slot_gets_its_own_fleet(aws_variant: Callable[..., Prev
     assert sorted(result.exports["asg_names"]) == ["blue", "green"]
 
 
+@pulumi.runtime.test
 def test_a_model_that_does_not_fit_stops_the_program(aws_variant: Callable[..., PreviewResult]) -> None:
     with pytest.raises(Exception, match="does not fit fleet.instance_type g5.2xlarge"):
         aws_variant("dev", fleet={"instance_type": "g5.2xlarge"})
@@ -80,6 +91,7 @@ def test_local_platform_points_at_the_local_path() -> None:
         record_stack("local")
 
 
+@pulumi.runtime.test
 def test_kubernetes_branch_names_the_missing_module(aws_variant: Callable[..., PreviewResult],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "infra.k8s_program", None)

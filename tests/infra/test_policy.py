@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pulumi
 import pytest
 
 from infra.policy.aws_policies import POLICIES
@@ -29,6 +30,7 @@ def _violations(result: PreviewResult, policy: str, name: str, change: Callable[
 
 
 @pytest.mark.parametrize("stack", ["dev", "staging", "prod"])
+@pulumi.runtime.test
 def test_every_aws_stack_passes_the_pack(stack: str, aws_stack: StackFn) -> None:
     assert check(aws_stack(stack).resources) == []
 
@@ -45,6 +47,7 @@ def test_pack_entry_point_only_constructs_the_pack() -> None:
     assert len(calls) == 1 and ast.unparse(calls[0]).startswith("PolicyPack(")
 
 
+@pulumi.runtime.test
 def test_public_bucket_is_caught(aws_stack: StackFn) -> None:
     found = _violations(aws_stack("dev"), "s3-buckets-private-encrypted-versioned", "models-bucket-public-access",
                         lambda p: p.update(blockPublicPolicy=False))
@@ -52,18 +55,21 @@ def test_public_bucket_is_caught(aws_stack: StackFn) -> None:
                                           "four settings on"]
 
 
+@pulumi.runtime.test
 def test_unversioned_bucket_is_caught(aws_stack: StackFn) -> None:
     found = _violations(aws_stack("dev"), "s3-buckets-private-encrypted-versioned", "lb-logs-versioning",
                         lambda p: p.update(versioningConfiguration={"status": "Suspended"}))
     assert [v.message for v in found] == ["bucket lb-logs: versioning is not enabled"]
 
 
+@pulumi.runtime.test
 def test_unencrypted_bucket_is_caught(aws_stack: StackFn) -> None:
     found = _violations(aws_stack("dev"), "s3-buckets-private-encrypted-versioned", "models-bucket-encryption",
                         lambda p: p.update(bucket="some-other-bucket"))
     assert [v.message for v in found] == ["bucket acme-specdeploy-models-dev: no default encryption"]
 
 
+@pulumi.runtime.test
 def test_world_open_server_port_rule_is_caught(aws_stack: StackFn) -> None:
     def open_to_world(props: dict[str, Any]) -> None:
         props.pop("referencedSecurityGroupId")
@@ -73,6 +79,7 @@ def test_world_open_server_port_rule_is_caught(aws_stack: StackFn) -> None:
     assert len(found) == 1 and "ports 8000-8000" in found[0].message
 
 
+@pulumi.runtime.test
 def test_world_open_server_port_in_a_security_group_is_caught(aws_stack: StackFn) -> None:
     def open_port(props: dict[str, Any]) -> None:
         props["ingress"] = [{"protocol": "tcp", "fromPort": 8000, "toPort": 8000, "cidrBlocks": ["0.0.0.0/0"]}]
@@ -80,10 +87,12 @@ def test_world_open_server_port_in_a_security_group_is_caught(aws_stack: StackFn
     assert _violations(aws_stack("prod"), "no-world-open-server-port", "fleet-blue-sg", open_port)
 
 
+@pulumi.runtime.test
 def test_world_open_https_on_the_load_balancer_is_allowed(aws_stack: StackFn) -> None:
     assert run_policy(POLICY["no-world-open-server-port"], aws_stack("prod").resources) == []
 
 
+@pulumi.runtime.test
 def test_public_plain_http_listener_is_caught(aws_stack: StackFn) -> None:
     def forward(props: dict[str, Any]) -> None:
         props["defaultActions"] = [{"type": "forward", "targetGroupArn": "arn:tg"}]
@@ -92,21 +101,25 @@ def test_public_plain_http_listener_is_caught(aws_stack: StackFn) -> None:
     assert len(found) == 1 and "serves traffic without TLS" in found[0].message
 
 
+@pulumi.runtime.test
 def test_https_listener_without_tls_policy_is_caught(aws_stack: StackFn) -> None:
     found = _violations(aws_stack("prod"), "tls-on-public-listeners", "lb-https", lambda p: p.pop("sslPolicy"))
     assert len(found) == 1 and "without certificate or TLS policy" in found[0].message
 
 
+@pulumi.runtime.test
 def test_internal_plain_http_listener_is_allowed(aws_stack: StackFn) -> None:
     assert run_policy(POLICY["tls-on-public-listeners"], aws_stack("dev").resources) == []
 
 
+@pulumi.runtime.test
 def test_imds_v1_is_caught(aws_stack: StackFn) -> None:
     found = _violations(aws_stack("dev"), "imdsv2-required", "fleet-blue-lt",
                         lambda p: p["metadataOptions"].update(httpTokens="optional"))
     assert [v.message for v in found] == ["fleet-blue-lt: metadataOptions.httpTokens must be 'required' (IMDSv2 only)"]
 
 
+@pulumi.runtime.test
 def test_alarm_without_action_is_caught(aws_stack: StackFn) -> None:
     found = _violations(aws_stack("dev"), "alarms-have-runbook-and-action", "alerts-SpecdeployHighErrorRate",
                         lambda p: p.update(alarmActions=[]))
@@ -114,12 +127,14 @@ def test_alarm_without_action_is_caught(aws_stack: StackFn) -> None:
                                           "would be told"]
 
 
+@pulumi.runtime.test
 def test_alarm_without_runbook_is_caught(aws_stack: StackFn) -> None:
     found = _violations(aws_stack("dev"), "alarms-have-runbook-and-action", "alerts-SpecdeployQueueBacklog",
                         lambda p: p.update(alarmDescription="Queue is long."))
     assert len(found) == 1 and "does not link a runbook" in found[0].message
 
 
+@pulumi.runtime.test
 def test_public_instance_is_caught(aws_stack: StackFn) -> None:
     found = _violations(aws_stack("dev"), "instances-not-public", "fleet-blue-lt",
                         lambda p: p["networkInterfaces"][0].update(associatePublicIpAddress="true"))
@@ -131,6 +146,7 @@ def test_public_instance_is_caught(aws_stack: StackFn) -> None:
     "AWS_ACCESS_KEY_ID=AKIAABCDEFGHIJKLMNOP",
     "-----BEGIN RSA PRIVATE KEY-----",
 ])
+@pulumi.runtime.test
 def test_secret_in_user_data_is_caught(leak: str, aws_stack: StackFn) -> None:
     def add_leak(props: dict[str, Any]) -> None:
         script = base64.b64decode(props["userData"]).decode() + f"\n{leak}\n"

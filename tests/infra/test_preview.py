@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pulumi
 import pytest
 
 from infra.cli.main import main
@@ -34,21 +35,25 @@ def test_preview_of_prod_runs_within_ten_seconds() -> None:
     assert cpu <= 10, f"{cpu:.1f} s CPU ({wall:.1f} s wall)"
 
 
+@pulumi.runtime.test
 def test_resources_are_listed_sorted(aws_stack: StackFn) -> None:
     lines = [line.strip() for line in render(aws_stack("prod")).split("\nresources\n")[1].split("\n\n")[0].splitlines()]
     keys = [tuple(line.split(" ")[:2]) for line in lines]
     assert keys == sorted(keys) and len(keys) == len(aws_stack("prod").resources)
 
 
+@pulumi.runtime.test
 def test_preview_shows_the_capacity_plan(aws_stack: StackFn) -> None:
     assert "instance     p5.4xlarge (cheapest that fits)" in render(aws_stack("prod"))
 
 
+@pulumi.runtime.test
 def test_preview_shows_key_properties(aws_stack: StackFn) -> None:
     text = render(aws_stack("prod"))
     assert "aws:lb/listener:Listener lb-https [lb]  port=443 sslPolicy=ELBSecurityPolicy-TLS13-1-2-2021-06" in text
 
 
+@pulumi.runtime.test
 def test_preview_shows_the_outputs(aws_stack: StackFn) -> None:
     assert 'endpoint = "https://llm.example.com"' in render(aws_stack("prod"))
 

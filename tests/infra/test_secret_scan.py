@@ -11,6 +11,7 @@ import base64
 import json
 from collections.abc import Callable
 
+import pulumi
 import pytest
 
 from infra.config import SECRET_MASK, load_stack
@@ -37,6 +38,7 @@ def test_stack_has_secrets_to_look_for(stack: str) -> None:
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_no_secret_value_is_recorded_unmarked(stack: str, aws_stack: StackFn) -> None:
     placeholders = secret_placeholders(load_stack(stack))
     leaks = [where for where, text in _everything_recorded(aws_stack(stack)) for p in placeholders if p in text]
@@ -44,6 +46,7 @@ def test_no_secret_value_is_recorded_unmarked(stack: str, aws_stack: StackFn) ->
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_the_secret_did_reach_its_one_place_marked(stack: str, aws_stack: StackFn) -> None:
     marked = [(r.name, r.secret_paths) for r in aws_stack(stack).resources if r.secret_paths]
     assert marked == [("api-keys-version", ("secretString",))]
@@ -52,6 +55,7 @@ def test_the_secret_did_reach_its_one_place_marked(stack: str, aws_stack: StackF
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_preview_output_shows_no_secret(stack: str, aws_stack: StackFn) -> None:
     from infra.preview import render
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+import pulumi
 import pytest
 import yaml
 
@@ -56,6 +57,7 @@ def _heredoc(script: str, delimiter: str) -> str:
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_user_data_is_valid_bash(stack: str, aws_stack: StackFn, tmp_path: Path) -> None:
     result = _bash_n(_script(aws_stack(stack)), tmp_path)
     assert result.returncode == 0, result.stderr
@@ -90,6 +92,7 @@ def test_weight_pull_is_the_specdeploy_weights_pull_command(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_both_versions_of_the_slot_are_pulled_and_verified(stack: str, aws_stack: StackFn) -> None:
     slot = load_stack(stack).config.slots.blue
     assert slot is not None
@@ -99,6 +102,7 @@ def test_both_versions_of_the_slot_are_pulled_and_verified(stack: str, aws_stack
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_server_config_is_rendered_from_the_stack(stack: str, aws_stack: StackFn) -> None:
     written = yaml.safe_load(_heredoc(_script(aws_stack(stack)), "SPECDEPLOY_SERVER_CONFIG"))
     expected = render_server_config(load_stack(stack).config, api_keys_file="/etc/specdeploy/secrets/api_keys")

@@ -28,12 +28,14 @@ def _rule_alarm(stack: str, result: PreviewResult, rule_name: str) -> dict[str, 
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_one_alarm_per_rule_named_after_it(stack: str, aws_stack: StackFn) -> None:
     expected = {f"{stack}-{rule.name}" for rule in alert_rules(load_stack(stack).config)}
     assert set(_alarms(aws_stack(stack))) == expected
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_thresholds_and_comparisons_are_the_rules(stack: str, aws_stack: StackFn) -> None:
     rules = alert_rules(load_stack(stack).config)
     alarms = _alarms(aws_stack(stack))
@@ -42,6 +44,7 @@ def test_thresholds_and_comparisons_are_the_rules(stack: str, aws_stack: StackFn
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_each_alarm_must_hold_for_the_rules_duration(stack: str, aws_stack: StackFn) -> None:
     alarms = _alarms(aws_stack(stack))
     assert all(alarms[f"{stack}-{r.name}"]["evaluationPeriods"] == r.for_minutes
@@ -49,6 +52,7 @@ def test_each_alarm_must_hold_for_the_rules_duration(stack: str, aws_stack: Stac
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_every_description_links_its_runbook(stack: str, aws_stack: StackFn) -> None:
     base = load_stack(stack).config.alerting.runbook_base_url
     alarms = _alarms(aws_stack(stack))
@@ -57,6 +61,7 @@ def test_every_description_links_its_runbook(stack: str, aws_stack: StackFn) -> 
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_critical_alarms_notify_the_critical_topic(stack: str, aws_stack: StackFn) -> None:
     alarms = _alarms(aws_stack(stack))
     for rule in alert_rules(load_stack(stack).config):
@@ -64,27 +69,32 @@ def test_critical_alarms_notify_the_critical_topic(stack: str, aws_stack: StackF
             f"arn:aws:sns:us-east-1:123456789012:alerts-{rule.severity}"]
 
 
+@pulumi.runtime.test
 def test_error_rate_is_5xx_over_requests_from_the_load_balancer(aws_stack: StackFn) -> None:
     queries = _rule_alarm("prod", aws_stack("prod"), "SpecdeployHighErrorRate")["metricQueries"]
     signal = next(q for q in queries if q.get("returnData"))
     assert "target5xx" in signal["expression"] and "/ requests" in signal["expression"]
 
 
+@pulumi.runtime.test
 def test_p99_latency_reads_the_published_histogram(aws_stack: StackFn) -> None:
     stat = _rule_alarm("prod", aws_stack("prod"), "SpecdeployHighP99Latency")["metricQueries"][0]["metric"]
     assert (stat["metricName"], stat["stat"], stat["namespace"]) == (m.E2E, "p99", "Specdeploy")
 
 
+@pulumi.runtime.test
 def test_gpu_memory_alarm_divides_used_by_total(aws_stack: StackFn) -> None:
     queries = _rule_alarm("prod", aws_stack("prod"), "SpecdeployGpuMemoryHigh")["metricQueries"]
     assert {q["metric"]["metricName"] for q in queries if "metric" in q} == {m.GPU_MEMORY_USED, m.GPU_MEMORY_TOTAL}
 
 
+@pulumi.runtime.test
 def test_fleet_below_minimum_counts_missing_data_as_breaching(aws_stack: StackFn) -> None:
     alarm = _rule_alarm("prod", aws_stack("prod"), "SpecdeployFleetBelowMinimum")
     assert (alarm["treatMissingData"], alarm["threshold"]) == ("breaching", 2)
 
 
+@pulumi.runtime.test
 def test_pager_hears_only_critical(aws_stack: StackFn) -> None:
     https = [r.inputs["topic"] for r in aws_stack("prod").of_type("aws:sns/topicSubscription:TopicSubscription")
              if r.inputs["protocol"] == "https"]
@@ -92,6 +102,7 @@ def test_pager_hears_only_critical(aws_stack: StackFn) -> None:
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_dashboard_exists_per_stack(stack: str, aws_stack: StackFn) -> None:
     assert aws_stack(stack).single("aws:cloudwatch/dashboard:Dashboard").inputs["dashboardName"] == \
         f"specdeploy-{stack}"

@@ -7,6 +7,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import pulumi
 import pytest
 
 from infra.capacity import plan, weight_cache_gib
@@ -38,48 +39,57 @@ def _statement(result: PreviewResult, sid: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_imds_v2_is_required(stack: str, aws_stack: StackFn) -> None:
     assert _template(aws_stack(stack))["metadataOptions"]["httpTokens"] == "required"
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_containers_cannot_reach_instance_metadata(stack: str, aws_stack: StackFn) -> None:
     assert _template(aws_stack(stack))["metadataOptions"]["httpPutResponseHopLimit"] == 1
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_instances_get_no_public_address(stack: str, aws_stack: StackFn) -> None:
     assert _template(aws_stack(stack))["networkInterfaces"][0]["associatePublicIpAddress"] == "false"
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_root_volume_is_encrypted_gp3(stack: str, aws_stack: StackFn) -> None:
     ebs = _template(aws_stack(stack))["blockDeviceMappings"][0]["ebs"]
     assert (ebs["encrypted"], ebs["volumeType"]) == ("true", "gp3")
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_root_volume_holds_the_weight_cache(stack: str, aws_stack: StackFn) -> None:
     cache = weight_cache_gib(plan(load_stack(stack).config).estimate)
     assert _template(aws_stack(stack))["blockDeviceMappings"][0]["ebs"]["volumeSize"] >= cache
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_instance_type_is_the_plans(stack: str, aws_stack: StackFn) -> None:
     assert _template(aws_stack(stack))["instanceType"] == plan(load_stack(stack).config).instance.name
 
 
+@pulumi.runtime.test
 def test_ami_comes_from_the_ssm_parameter(aws_stack: StackFn) -> None:
     assert _template(aws_stack("dev"))["imageId"] == "ami-0123456789abcdef0"  # the mocked SSM answer
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_user_data_pulls_the_slot_image_by_digest(stack: str, aws_stack: StackFn) -> None:
     script = base64.b64decode(_template(aws_stack(stack))["userData"]).decode()
     assert f"IMAGE={load_stack(stack).config.slots.blue.image}" in script  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_group_uses_elb_health_checks_with_a_warmup_grace(stack: str, aws_stack: StackFn) -> None:
     group = aws_stack(stack).single(ASG).inputs
     assert (group["healthCheckType"], group["healthCheckGracePeriod"]) == (
@@ -87,6 +97,7 @@ def test_group_uses_elb_health_checks_with_a_warmup_grace(stack: str, aws_stack:
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_group_sizes_follow_the_fleet(stack: str, aws_stack: StackFn) -> None:
     fleet = load_stack(stack).config.fleet
     group = aws_stack(stack).single(ASG).inputs
@@ -94,11 +105,13 @@ def test_group_sizes_follow_the_fleet(stack: str, aws_stack: StackFn) -> None:
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_group_registers_with_its_slots_target_group(stack: str, aws_stack: StackFn) -> None:
     assert aws_stack(stack).single(ASG).inputs["targetGroupArns"] == ["arn:aws:lb:us-east-1:123456789012:lb-blue"]
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_scaling_tracks_waiting_requests_per_instance(stack: str, aws_stack: StackFn) -> None:
     tracking = aws_stack(stack).single("aws:autoscaling/policy:Policy").inputs["targetTrackingConfiguration"]
     metric = tracking["customizedMetricSpecification"]
@@ -106,6 +119,7 @@ def test_scaling_tracks_waiting_requests_per_instance(stack: str, aws_stack: Sta
         m.WAITING, "Average", load_stack(stack).config.fleet.queue_target_per_instance)
 
 
+@pulumi.runtime.test
 def test_prod_raises_the_baseline_on_weekday_peaks(aws_stack: StackFn) -> None:
     schedules = {r.inputs["scheduledActionName"]: (r.inputs["recurrence"], r.inputs["minSize"])
                  for r in aws_stack("prod").of_type("aws:autoscaling/schedule:Schedule")}
@@ -113,6 +127,7 @@ def test_prod_raises_the_baseline_on_weekday_peaks(aws_stack: StackFn) -> None:
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_role_reads_only_the_slots_model_prefixes(stack: str, aws_stack: StackFn) -> None:
     slot = load_stack(stack).config.slots.blue
     assert slot is not None
@@ -121,6 +136,7 @@ def test_role_reads_only_the_slots_model_prefixes(stack: str, aws_stack: StackFn
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_role_has_no_wildcard_actions(stack: str, aws_stack: StackFn) -> None:
     actions = [a for s in _role_policy(aws_stack(stack)) for a in ([s["Action"]] if isinstance(s["Action"], str)
                                                                     else s["Action"])]
@@ -128,28 +144,33 @@ def test_role_has_no_wildcard_actions(stack: str, aws_stack: StackFn) -> None:
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_role_reads_only_the_api_key_secret(stack: str, aws_stack: StackFn) -> None:
     assert _statement(aws_stack(stack), "ReadApiKeys")["Resource"] == \
         "arn:aws:secretsmanager:us-east-1:123456789012:api-keys-secret"
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_metrics_may_only_go_to_the_specdeploy_namespace(stack: str, aws_stack: StackFn) -> None:
     condition = _statement(aws_stack(stack), "PublishMetrics")["Condition"]
     assert condition == {"StringEquals": {"cloudwatch:namespace": "Specdeploy"}}
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_server_port_is_open_only_to_the_load_balancer(stack: str, aws_stack: StackFn) -> None:
     rule = aws_stack(stack).single("aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule").inputs
     assert (rule["referencedSecurityGroupId"], rule["fromPort"], rule.get("cidrIpv4")) == ("lb-sg-id", 8000, None)
 
 
+@pulumi.runtime.test
 def test_on_demand_fleet_uses_the_launch_template_directly(aws_stack: StackFn) -> None:
     group = aws_stack("dev").single(ASG).inputs
     assert group["launchTemplate"]["id"] == "fleet-blue-lt-id" and "mixedInstancesPolicy" not in group
 
 
+@pulumi.runtime.test
 def test_mixed_fleet_keeps_an_on_demand_base_and_fills_with_spot(aws_variant: VariantFn) -> None:
     group = aws_variant("staging", fleet={"capacity_type": "mixed", "on_demand_base": 1}).single(ASG).inputs
     distribution = group["mixedInstancesPolicy"]["instancesDistribution"]

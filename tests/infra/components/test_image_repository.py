@@ -17,19 +17,23 @@ REPO = "aws:ecr/repository:Repository"
 
 
 @pytest.mark.parametrize("stack", ["dev", "staging", "prod"])
+@pulumi.runtime.test
 def test_tags_are_immutable(stack: str, aws_stack: StackFn) -> None:
     assert aws_stack(stack).single(REPO).inputs["imageTagMutability"] == "IMMUTABLE"
 
 
 @pytest.mark.parametrize("stack", ["dev", "staging", "prod"])
+@pulumi.runtime.test
 def test_images_are_scanned_on_push(stack: str, aws_stack: StackFn) -> None:
     assert aws_stack(stack).single(REPO).inputs["imageScanningConfiguration"] == {"scanOnPush": True}
 
 
+@pulumi.runtime.test
 def test_repository_is_named_by_the_fleet_setting(aws_stack: StackFn) -> None:
     assert aws_stack("prod").single(REPO).inputs["name"] == "specdeploy-server"
 
 
+@pulumi.runtime.test
 def test_untagged_images_expire(aws_stack: StackFn) -> None:
     rules = json.loads(aws_stack("prod").single("aws:ecr/lifecyclePolicy:LifecyclePolicy").inputs["policy"])["rules"]
     assert rules[0]["selection"]["tagStatus"] == "untagged" and rules[0]["action"]["type"] == "expire"

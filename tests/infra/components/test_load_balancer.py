@@ -25,14 +25,17 @@ def _forward(result: PreviewResult) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("stack", ["dev", "staging"])
+@pulumi.runtime.test
 def test_internal_stacks_get_an_internal_alb(stack: str, aws_stack: StackFn) -> None:
     assert aws_stack(stack).single(ALB).inputs["internal"] is True
 
 
+@pulumi.runtime.test
 def test_public_stack_gets_an_internet_facing_alb(aws_stack: StackFn) -> None:
     assert aws_stack("prod").single(ALB).inputs["internal"] is False
 
 
+@pulumi.runtime.test
 def test_public_listener_is_https_with_the_certificate_and_a_tls12_policy(aws_stack: StackFn) -> None:
     https = aws_stack("prod").one(LISTENER, "lb-https").inputs
     certificate = load_stack("prod").config.access.certificate_arn
@@ -40,16 +43,19 @@ def test_public_listener_is_https_with_the_certificate_and_a_tls12_policy(aws_st
         "HTTPS", 443, certificate, TLS_POLICY)
 
 
+@pulumi.runtime.test
 def test_public_http_only_redirects_to_https(aws_stack: StackFn) -> None:
     action = aws_stack("prod").one(LISTENER, "lb-http-redirect").inputs["defaultActions"][0]
     assert action["type"] == "redirect" and action["redirect"]["protocol"] == "HTTPS"
 
 
 @pytest.mark.parametrize("stack", ["dev", "staging", "prod"])
+@pulumi.runtime.test
 def test_active_slot_takes_all_traffic(stack: str, aws_stack: StackFn) -> None:
     assert _forward(aws_stack(stack)) == {"blue": 100, "green": 0}
 
 
+@pulumi.runtime.test
 def test_canary_weight_goes_to_the_idle_slot(aws_variant: Callable[..., PreviewResult]) -> None:
     release = load_stack("staging").config.slots.model_dump(mode="json")
     release.update(canary_weight=10, green=release["blue"])
@@ -57,35 +63,41 @@ def test_canary_weight_goes_to_the_idle_slot(aws_variant: Callable[..., PreviewR
 
 
 @pytest.mark.parametrize("stack", ["dev", "prod"])
+@pulumi.runtime.test
 def test_both_slots_are_health_checked_on_ready(stack: str, aws_stack: StackFn) -> None:
     checks = {r.name: r.inputs["healthCheck"]["path"] for r in aws_stack(stack).of_type(TG)}
     assert checks == {"lb-blue": "/ready", "lb-green": "/ready"}
 
 
 @pytest.mark.parametrize("stack", ["dev", "prod"])
+@pulumi.runtime.test
 def test_deregistration_waits_for_the_servers_drain(stack: str, aws_stack: StackFn) -> None:
     drain = load_stack(stack).config.service.drain_grace_s
     assert {r.inputs["deregistrationDelay"] for r in aws_stack(stack).of_type(TG)} == {int(drain)}
 
 
 @pytest.mark.parametrize("stack", ["dev", "prod"])
+@pulumi.runtime.test
 def test_idle_timeout_outlasts_the_request_timeout(stack: str, aws_stack: StackFn) -> None:
     timeout = load_stack(stack).config.scheduler.request_timeout_s
     assert aws_stack(stack).single(ALB).inputs["idleTimeout"] > timeout
 
 
 @pytest.mark.parametrize("stack", ["dev", "prod"])
+@pulumi.runtime.test
 def test_access_logs_go_to_the_log_bucket(stack: str, aws_stack: StackFn) -> None:
     logs = aws_stack(stack).single(ALB).inputs["accessLogs"]
     assert logs["enabled"] is True and logs["bucket"] == "lb-logs"
 
 
+@pulumi.runtime.test
 def test_log_bucket_uses_sse_s3_as_alb_requires(aws_stack: StackFn) -> None:
     sse = "aws:s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration"
     rule = aws_stack("prod").one(sse, "lb-logs-encryption").inputs["rules"][0]
     assert rule["applyServerSideEncryptionByDefault"]["sseAlgorithm"] == "AES256"
 
 
+@pulumi.runtime.test
 def test_internal_alb_admits_only_the_configured_networks(aws_stack: StackFn) -> None:
     ingress = aws_stack("dev").one("aws:ec2/securityGroup:SecurityGroup", "lb-sg").inputs["ingress"]
     assert [(i["fromPort"], i["cidrBlocks"]) for i in ingress] == [(80, ["10.0.0.0/16"])]

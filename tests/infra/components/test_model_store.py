@@ -24,12 +24,14 @@ def _child(result: PreviewResult, suffix: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_bucket_is_the_one_the_weight_uris_point_into(stack: str, aws_stack: StackFn) -> None:
     bucket = aws_stack(stack).one("aws:s3/bucket:Bucket", "models-bucket").inputs["bucket"]
     assert bucket == split_s3_uri(load_stack(stack).config.model.source)[0]
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_public_access_is_blocked_in_all_four_ways(stack: str, aws_stack: StackFn) -> None:
     block = _child(aws_stack(stack), "public-access")
     assert [block[k] for k in ("blockPublicAcls", "blockPublicPolicy", "ignorePublicAcls",
@@ -37,23 +39,27 @@ def test_public_access_is_blocked_in_all_four_ways(stack: str, aws_stack: StackF
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_objects_are_encrypted_with_kms(stack: str, aws_stack: StackFn) -> None:
     rule = _child(aws_stack(stack), "encryption")["rules"][0]
     assert rule["applyServerSideEncryptionByDefault"]["sseAlgorithm"] == "aws:kms"
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_versioning_is_enabled(stack: str, aws_stack: StackFn) -> None:
     assert _child(aws_stack(stack), "versioning")["versioningConfiguration"]["status"] == "Enabled"
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_old_versions_expire(stack: str, aws_stack: StackFn) -> None:
     rules = _child(aws_stack(stack), "lifecycle")["rules"]
     assert any(r.get("noncurrentVersionExpiration", {}).get("noncurrentDays", 0) > 0 for r in rules)
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_policy_denies_requests_without_tls(stack: str, aws_stack: StackFn) -> None:
     statements = json.loads(_child(aws_stack(stack), "policy")["policy"])["Statement"]
     deny = [s for s in statements if s["Effect"] == "Deny"]
@@ -61,6 +67,7 @@ def test_policy_denies_requests_without_tls(stack: str, aws_stack: StackFn) -> N
 
 
 @pytest.mark.parametrize("stack", STACKS)
+@pulumi.runtime.test
 def test_acls_are_disabled(stack: str, aws_stack: StackFn) -> None:
     assert _child(aws_stack(stack), "ownership")["rule"]["objectOwnership"] == "BucketOwnerEnforced"
 

@@ -16,16 +16,19 @@ VERSION = "aws:secretsmanager/secretVersion:SecretVersion"
 
 
 @pytest.mark.parametrize("stack", ["dev", "staging", "prod"])
+@pulumi.runtime.test
 def test_secret_value_arrives_marked_secret(stack: str, aws_stack: StackFn) -> None:
     assert aws_stack(stack).single(VERSION).secret_paths == ("secretString",)
 
 
 @pytest.mark.parametrize("stack", ["dev", "staging", "prod"])
+@pulumi.runtime.test
 def test_secret_is_named_per_stack(stack: str, aws_stack: StackFn) -> None:
     secret = aws_stack(stack).single("aws:secretsmanager/secret:Secret")
     assert secret.inputs["name"] == f"specdeploy/{stack}/api-keys"
 
 
+@pulumi.runtime.test
 def test_missing_keys_create_the_secret_without_a_value(aws_variant: Callable[..., PreviewResult]) -> None:
     result = aws_variant("dev", apiKeys=None)
     assert result.of_type("aws:secretsmanager/secret:Secret") and not result.of_type(VERSION)
