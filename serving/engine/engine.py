@@ -22,6 +22,9 @@ from serving.engine.model import Transformer
 from serving.engine.request import Request
 from serving.engine.sampling import SamplingRows, compute_logprobs, sample
 from serving.engine.scheduler import Scheduler, SchedulerOutput
+from serving.engine.spec.draft import DraftModelProposer
+from serving.engine.spec.ngram import NgramProposer
+from serving.engine.spec.speculator import Speculator
 from serving.engine.types import (
     EngineStats,
     GenerationRequest,
@@ -44,6 +47,7 @@ class LLMEngine:
         config: EngineConfig,
         num_blocks: int,
         tokenizer: Any | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -62,7 +66,7 @@ class LLMEngine:
         self.step_time_total_s = 0.0
         self.last_step_s = 0.0
         self.recent_step_durations_s: collections.deque[float] = collections.deque(maxlen=512)
-        self.spec_stats = SpecStats()
+        self.speculator = speculator
 
     # ---- construction -------------------------------------------------------------------------------
 
@@ -86,7 +90,10 @@ class LLMEngine:
         num_blocks = max(kv_budget_bytes(config, device) // per_block, 1)
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, config.kv_block_size,
                  num_blocks * per_block / 2**20)
-        return cls(model, config, num_blocks, load_tokenizer(config.tokenizer or config.model))
+        speculator = None
+        if config.speculative.enabled:
+            speculator = build_speculator(config, model, dtype, device, num_blocks)
+        return cls(model, config, num_blocks, load_tokenizer(config.tokenizer or config.model), speculator)
 
     # ---- requests -----------------------------------------------------------------------------------
 
@@ -136,6 +143,8 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End the request now and free its blocks; returns its final chunk if it was live."""
         req = self.scheduler.finish_request(request_id, "abort")
+        if self.speculator is not None:
+            self.speculator.release(request_id)
         return req.make_output() if req is not None else None
 
     def has_unfinished_requests(self) -> bool:
@@ -151,40 +160,78 @@ class LLMEngine:
         sampled, logprobs = self.execute(sched)
         updated = self.scheduler.update_from_output(sched, sampled, logprobs)
         outputs = [o for o in (req.make_output() for req in updated) if o is not None]
+        if self.speculator is not None:
+            self.speculator.after_update(sched, sampled, time.perf_counter() - started)
+            self.speculator.propose_next(self.scheduler)
         self._record_step(time.perf_counter() - started)
         return outputs
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
-        """Run the forward for a scheduled step and sample one token for every request that reaches its end."""
-        seqs, sampling = [], []
+        """Run the step's forward; sample (or verify drafts) for every request that reaches its end."""
+        seqs, sampling, drafts = [], [], []
         for req in sched.scheduled:
             n = sched.num_scheduled_tokens[req.request_id]
             start = req.num_computed_tokens
+            spec = sched.spec_token_ids.get(req.request_id, [])
             samples = sched.samples(req)
             seqs.append(SequenceInput(
-                token_ids=req.all_token_ids[start : start + n],
+                token_ids=(req.all_token_ids[start:] + spec)[:n] if spec else req.all_token_ids[start : start + n],
                 start_pos=start,
                 block_table=self.blocks.block_table(req.request_id),
-                logits_offsets=[n - 1] if samples else [],
+                # a verifying sequence needs logits at its last real token and at every draft
+                logits_offsets=list(range(n - 1 - len(spec), n)) if samples else [],
             ))
             if samples:
                 sampling.append(req)
+                drafts.append(spec)
         batch = build_forward_batch(seqs, self.block_size, self.args.n_rep, self.device, self.dtype)
         hidden = self.model(batch, self.cache)
         if not sampling:
             return {}, {}
-        logits = self.model.compute_logits(hidden, batch.logits_index)  # [N, vocab] fp32
-        rows = SamplingRows.from_params([r.params for r in sampling], self.args.vocab_size, self.device)
-        tokens = sample(logits, rows, [r.generator for r in sampling])
-        sampled = {r.request_id: [t] for r, t in zip(sampling, tokens.tolist(), strict=True)}
-        logprobs: dict[str, list[TokenLogprobs]] = {}
-        wants = [i for i, r in enumerate(sampling) if r.params.logprobs is not None]
-        if wants:
-            idx = torch.tensor(wants, device=logits.device)
-            computed = compute_logprobs(logits[idx], tokens[idx], [sampling[i].params.logprobs or 0 for i in wants])
-            logprobs = {sampling[i].request_id: [lp] for i, lp in zip(wants, computed, strict=True)}
-        return sampled, logprobs
+        logits = self.model.compute_logits(hidden, batch.logits_index)  # [rows, vocab] fp32, request order
+        emitted = self.sample_or_verify(sampling, drafts, logits)
+        sampled = {r.request_id: tokens for r, tokens in zip(sampling, emitted, strict=True)}
+        return sampled, self.logprobs_of(sampling, drafts, emitted, logits)
+
+    def sample_or_verify(self, reqs: list[Request], drafts: list[list[int]], logits: torch.Tensor) -> list[list[int]]:
+        """One token per plain request; accepted drafts plus one token per verifying request."""
+        if not any(drafts):
+            rows = SamplingRows.from_params([r.params for r in reqs], self.args.vocab_size, self.device)
+            return [[t] for t in sample(logits, rows, [r.generator for r in reqs]).tolist()]
+        assert self.speculator is not None
+        starts = [0]
+        for d in drafts:
+            starts.append(starts[-1] + len(d) + 1)
+        plain = [i for i, d in enumerate(drafts) if not d]
+        verifying = [i for i, d in enumerate(drafts) if d]
+        emitted: list[list[int]] = [[] for _ in reqs]
+        if plain:
+            rows = SamplingRows.from_params([reqs[i].params for i in plain], self.args.vocab_size, self.device)
+            idx = torch.tensor([starts[i] for i in plain], device=logits.device)
+            for i, t in zip(plain, sample(logits[idx], rows, [reqs[i].generator for i in plain]).tolist(),
+                            strict=True):
+                emitted[i] = [t]
+        idx = torch.tensor([row for i in verifying for row in range(starts[i], starts[i + 1])], device=logits.device)
+        verified = self.speculator.verify([reqs[i] for i in verifying], [drafts[i] for i in verifying], logits[idx])
+        for i, tokens in zip(verifying, verified, strict=True):
+            emitted[i] = tokens
+        return emitted
+
+    def logprobs_of(
+        self, reqs: list[Request], drafts: list[list[int]], emitted: list[list[int]], logits: torch.Tensor
+    ) -> dict[str, list[TokenLogprobs]]:
+        wants = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        if not wants:
+            return {}
+        starts = [0]
+        for d in drafts:
+            starts.append(starts[-1] + len(d) + 1)
+        rows = [starts[i] + j for i in wants for j in range(len(emitted[i]))]
+        tokens = torch.tensor([t for i in wants for t in emitted[i]], device=logits.device)
+        top_n = [reqs[i].params.logprobs or 0 for i in wants for _ in emitted[i]]
+        computed = iter(compute_logprobs(logits[torch.tensor(rows, device=logits.device)], tokens, top_n))
+        return {reqs[i].request_id: [next(computed) for _ in emitted[i]] for i in wants}
 
     def _record_step(self, seconds: float) -> None:
         self.steps_total += 1
@@ -210,8 +257,23 @@ class LLMEngine:
             step_time_total_s=self.step_time_total_s,
             last_step_s=self.last_step_s,
             recent_step_durations_s=list(self.recent_step_durations_s),
-            spec=self.spec_stats,
+            spec=self.speculator.stats if self.speculator is not None else SpecStats(),
         )
+
+
+def build_speculator(
+    config: EngineConfig, model: Transformer, dtype: torch.dtype, device: torch.device, num_blocks: int
+) -> Speculator:
+    spec = config.speculative
+    proposer: NgramProposer | DraftModelProposer
+    if spec.method == "ngram":
+        proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
+    else:
+        assert spec.draft_model is not None
+        # as many draft blocks as target blocks: the draft never runs out before the target does
+        proposer = DraftModelProposer.load(spec.draft_model, config.model, model.args, dtype, device,
+                                           model.max_model_len, num_blocks, config.kv_block_size)
+    return Speculator(spec, proposer, config.max_num_batched_tokens, model.max_model_len)
 
 
 def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:

@@ -1,0 +1,145 @@
+"""Draft-model proposer: a small Llama-family model with its own paged KV cache proposes k tokens per step.
+
+Per sequence the draft cache holds a prefix of the sequence's tokens. Each engine step the draft first
+catches up (the tokens accepted or emitted since last time, at most a few; the whole prompt the first
+time) and drafts one token from that forward, then runs k - 1 batched single-token steps. Rejected
+drafts are rolled back by shortening the sequence in the draft cache; nothing is copied.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from serving.engine.batch import SequenceInput, build_forward_batch
+from serving.engine.kv_cache import BlockManager, KVCache
+from serving.engine.loader import load_model, read_model_args
+from serving.engine.model import ModelArgs, Transformer
+from serving.engine.request import Request
+from serving.engine.sampling import SamplingRows, draw_uniforms, logits_to_probs, sample_from_probs
+
+log = logging.getLogger(__name__)
+
+
+class DraftMismatchError(ValueError):
+    """The draft cannot serve this target (different tokenizer or vocabulary)."""
+
+
+@dataclass
+class Drafts:
+    tokens: dict[str, list[int]]  # req_id -> proposed tokens
+    probs: dict[str, torch.Tensor]  # req_id -> q [k, vocab] for sampled requests (greedy ones: one-hot, absent)
+    forward_seconds: list[tuple[int, float]]  # (sequences in the forward, seconds) per draft forward
+
+
+def check_same_tokenizer(target_dir: Path, draft_dir: Path, target: ModelArgs, draft: ModelArgs) -> None:
+    if target.vocab_size != draft.vocab_size:
+        raise DraftMismatchError(
+            f"draft {draft_dir} has vocab_size {draft.vocab_size}, the target {target_dir} {target.vocab_size}: "
+            "a draft must share the target's tokenizer"
+        )
+    t_file, d_file = target_dir / "tokenizer.json", draft_dir / "tokenizer.json"
+    if t_file.is_file() and d_file.is_file():
+        t_vocab = json.loads(t_file.read_text()).get("model", {}).get("vocab")
+        d_vocab = json.loads(d_file.read_text()).get("model", {}).get("vocab")
+        if t_vocab != d_vocab:
+            raise DraftMismatchError(f"draft {draft_dir} and target {target_dir} have different tokenizers")
+
+
+class DraftModelProposer:
+    def __init__(self, model: Transformer, num_blocks: int, block_size: int) -> None:
+        self.model = model
+        args = model.args
+        self.device = model.tok_embeddings.weight.device
+        self.dtype = model.tok_embeddings.weight.dtype
+        self.block_size = block_size
+        self.cache = KVCache(args.n_layers, num_blocks, block_size, args.n_kv_heads, args.head_dim, self.dtype,
+                             self.device)
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.computed: dict[str, int] = {}  # req_id -> tokens of the sequence in the draft cache
+
+    @classmethod
+    def load(
+        cls,
+        draft_dir: str | Path,
+        target_dir: str | Path,
+        target_args: ModelArgs,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_model_len: int,
+        num_blocks: int,
+        block_size: int,
+    ) -> DraftModelProposer:
+        draft_dir, target_dir = Path(draft_dir), Path(target_dir)
+        check_same_tokenizer(target_dir, draft_dir, target_args, read_model_args(draft_dir))
+        return cls(load_model(draft_dir, dtype, device, max_model_len), num_blocks, block_size)
+
+    def release(self, req_id: str) -> None:
+        self.blocks.free(req_id)
+        self.computed.pop(req_id, None)
+
+    def rollback(self, req_id: str, num_valid_tokens: int) -> None:
+        """Keep only the first num_valid_tokens of the sequence (the rest were rejected drafts)."""
+        if req_id in self.computed and self.computed[req_id] > num_valid_tokens:
+            self.computed[req_id] = num_valid_tokens
+            self.blocks.truncate(req_id, num_valid_tokens)
+
+    @torch.inference_mode()
+    def propose(self, reqs: list[Request], ks: dict[str, int]) -> Drafts:
+        drafts = Drafts({}, {}, [])
+        active = []
+        for req in reqs:
+            k = ks.get(req.request_id, 0)
+            # positions N .. N + k - 2 get draft K/V (the last draft is never fed back)
+            if k > 0 and self.blocks.allocate(req.request_id, req.num_tokens + k - 1):
+                active.append(req)
+        if not active:
+            return drafts
+        probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in active}
+
+        # first forward: catch up on the tokens the draft has not seen, draft one token from the last
+        seqs = []
+        for req in active:
+            start = min(self.computed.get(req.request_id, 0), req.num_tokens - 1)
+            tokens = req.all_token_ids[start:]
+            seqs.append(SequenceInput(tokens, start, self.blocks.block_table(req.request_id), [len(tokens) - 1]))
+            self.computed[req.request_id] = req.num_tokens
+        self._draft_step(active, seqs, drafts, probs)
+
+        for j in range(1, max(ks[r.request_id] for r in active)):
+            step = [r for r in active if ks[r.request_id] > j]
+            seqs = [SequenceInput([drafts.tokens[r.request_id][-1]], r.num_tokens + j - 1,
+                                  self.blocks.block_table(r.request_id), [0]) for r in step]
+            for r in step:
+                self.computed[r.request_id] = r.num_tokens + j
+            self._draft_step(step, seqs, drafts, probs)
+
+        for req_id, rows in probs.items():
+            if rows:
+                drafts.probs[req_id] = torch.stack(rows)
+        return drafts
+
+    def _draft_step(self, reqs: list[Request], seqs: list[SequenceInput], drafts: Drafts,
+                    probs: dict[str, list[torch.Tensor]]) -> None:
+        started = time.perf_counter()
+        batch = build_forward_batch(seqs, self.block_size, self.model.args.n_rep, self.device, self.dtype)
+        logits = self.model.compute_logits(self.model(batch, self.cache), batch.logits_index)  # [n, V]
+        rows = SamplingRows.from_params([r.params for r in reqs], self.model.args.vocab_size, self.device)
+        if rows.all_greedy:
+            tokens = logits.argmax(dim=-1).tolist()
+        else:
+            q = logits_to_probs(logits, rows)
+            uniforms = draw_uniforms([r.generator for r in reqs], [1] * len(reqs), self.device)
+            sampled = sample_from_probs(q, uniforms)
+            tokens = torch.where(rows.greedy, logits.argmax(dim=-1), sampled).tolist()
+            for i, r in enumerate(reqs):
+                if not r.params.greedy:
+                    probs[r.request_id].append(q[i])
+        for r, t in zip(reqs, tokens, strict=True):
+            drafts.tokens.setdefault(r.request_id, []).append(int(t))
+        drafts.forward_seconds.append((len(reqs), time.perf_counter() - started))

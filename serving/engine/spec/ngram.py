@@ -1,0 +1,38 @@
+"""N-gram prompt lookup: propose what followed the latest earlier occurrence of the sequence's suffix.
+
+Code and extraction outputs repeat their inputs; a match of the last n tokens elsewhere in the prompt
+or output predicts the next tokens for free (no model runs). Longest n first.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+
+class NgramProposer:
+    def __init__(self, n_min: int = 1, n_max: int = 4) -> None:
+        self.n_min, self.n_max = n_min, n_max
+
+    def propose_one(self, token_ids: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the most recent earlier match of the last n tokens."""
+        if k <= 0 or len(token_ids) < self.n_min + 1:
+            return []
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        for n in range(min(self.n_max, len(tokens) - 1), self.n_min - 1, -1):
+            suffix = tokens[-n:]
+            windows = sliding_window_view(tokens[:-1], n)  # every earlier n-gram (not the suffix itself)
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return tokens[start : start + k].tolist()
+        return []
+
+    def propose(self, sequences: dict[str, list[int]], k: dict[str, int]) -> dict[str, list[int]]:
+        """req_id -> drafts for every sequence with a match (absent when none)."""
+        out = {}
+        for req_id, token_ids in sequences.items():
+            drafts = self.propose_one(token_ids, k[req_id])
+            if drafts:
+                out[req_id] = drafts
+        return out

@@ -1,0 +1,136 @@
+"""How many draft tokens each sequence verifies this step: chosen for goodput, 0 included.
+
+Costs are measured, not assumed: the target's step time is fitted online as a + b * tokens (a: per-step
+overhead, b: per-token work), the draft's as c + d * sequences per draft forward. Acceptance is tracked
+per request and globally (exponentially decayed). With per-token acceptance alpha, k drafts yield
+(1 - alpha^(k+1)) / (1 - alpha) tokens in expectation. For each candidate k the policy estimates
+
+    goodput(k) = expected tokens of all sequences / (target step time + k draft forwards)
+
+and takes the best. At low load the step is overhead-bound (a dominates), verifying k extra tokens is
+nearly free and speculation wins; as the batch fills, b * tokens dominates, extra verify tokens cost
+as much as they earn and k falls to 0, so speculation never costs throughput.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LinearCost:
+    """Online least squares fit of seconds = intercept + slope * x with exponential forgetting."""
+
+    intercept: float
+    slope: float
+    decay: float = 0.98
+    _n: float = 0.0
+    _sx: float = 0.0
+    _sy: float = 0.0
+    _sxx: float = 0.0
+    _sxy: float = 0.0
+
+    def observe(self, x: float, seconds: float) -> None:
+        d = self.decay
+        self._n = d * self._n + 1
+        self._sx = d * self._sx + x
+        self._sy = d * self._sy + seconds
+        self._sxx = d * self._sxx + x * x
+        self._sxy = d * self._sxy + x * seconds
+        var = self._n * self._sxx - self._sx**2
+        if self._n >= 4 and var > 1e-9 * max(self._n * self._sxx, 1.0):
+            slope = (self._n * self._sxy - self._sx * self._sy) / var
+            intercept = (self._sy - slope * self._sx) / self._n
+            if slope >= 0 and intercept >= 0:
+                self.slope, self.intercept = slope, intercept
+                return
+        # not enough spread in x yet: keep the slope, move the intercept toward the observation
+        self.intercept = max(0.9 * self.intercept + 0.1 * (seconds - self.slope * x), 0.0)
+
+    def __call__(self, x: float) -> float:
+        return self.intercept + self.slope * x
+
+
+@dataclass
+class Acceptance:
+    """Per-token acceptance probability, decayed counts of accepted / tested draft positions."""
+
+    accepted: float = 0.0
+    tested: float = 0.0
+    prior: float = 0.6
+    prior_weight: float = 2.0
+    decay: float = 0.95
+
+    def observe(self, accepted: int, drafted: int) -> None:
+        tested = accepted + (1 if accepted < drafted else 0)  # positions after the first rejection were not tested
+        self.accepted = self.decay * self.accepted + accepted
+        self.tested = self.decay * self.tested + tested
+
+    @property
+    def rate(self) -> float:
+        return (self.accepted + self.prior * self.prior_weight) / (self.tested + self.prior_weight)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens emitted by one verification of k drafts with per-token acceptance alpha (bonus included)."""
+    if k == 0:
+        return 1.0
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class SpeculationPolicy:
+    max_k: int
+    adaptive: bool = True
+    uses_draft_model: bool = True
+    target_cost: LinearCost = field(default_factory=lambda: LinearCost(intercept=5e-3, slope=1e-4))
+    draft_cost: LinearCost = field(default_factory=lambda: LinearCost(intercept=1e-3, slope=2e-5))
+    global_acceptance: Acceptance = field(default_factory=Acceptance)
+    per_request: dict[str, Acceptance] = field(default_factory=dict)
+
+    def acceptance(self, req_id: str) -> float:
+        own = self.per_request.get(req_id)
+        if own is None:
+            return self.global_acceptance.rate
+        # a request's own history, with the global rate as its prior
+        return (own.accepted + self.global_acceptance.rate * own.prior_weight) / (own.tested + own.prior_weight)
+
+    def choose(self, candidates: dict[str, int], other_tokens: int, num_decodes: int) -> dict[str, int]:
+        """k per candidate request (capped by candidates[req_id]); 0 means do not speculate.
+
+        other_tokens: tokens of the step that are not decode/verify tokens (prefill chunks);
+        num_decodes: sequences decoding this step (candidates included).
+        """
+        if not candidates:
+            return {}
+        if not self.adaptive:
+            return {r: min(self.max_k, cap) for r, cap in candidates.items()}
+        alphas = {r: self.acceptance(r) for r in candidates}
+        base_tokens = other_tokens + num_decodes
+        best_k, best_rate = 0, num_decodes / self.target_cost(base_tokens)
+        for k in range(1, self.max_k + 1):
+            ks = {r: min(k, cap) for r, cap in candidates.items()}
+            extra = sum(ks.values())
+            tokens = num_decodes - len(candidates) + sum(expected_tokens(alphas[r], ks[r]) for r in candidates)
+            seconds = self.target_cost(base_tokens + extra)
+            if self.uses_draft_model:
+                seconds += k * self.draft_cost(len(candidates))
+            rate = tokens / seconds
+            if rate > best_rate * 1.01:  # a marginal gain is not worth the variance
+                best_k, best_rate = k, rate
+        return {r: min(best_k, cap) for r, cap in candidates.items()}
+
+    def observe_target_step(self, num_tokens: int, seconds: float) -> None:
+        self.target_cost.observe(num_tokens, seconds)
+
+    def observe_draft_forward(self, num_seqs: int, seconds: float) -> None:
+        self.draft_cost.observe(num_seqs, seconds)
+
+    def observe_verification(self, req_id: str, accepted: int, drafted: int) -> None:
+        self.global_acceptance.observe(accepted, drafted)
+        self.per_request.setdefault(req_id, Acceptance(prior=0.0, prior_weight=2.0)).observe(accepted, drafted)
+
+    def forget(self, req_id: str) -> None:
+        self.per_request.pop(req_id, None)

@@ -1,0 +1,20 @@
+from __future__ import annotations
+
+from serving.engine.spec.ngram import NgramProposer
+
+
+def test_longest_suffix_match_proposes_what_followed() -> None:
+    proposer = NgramProposer(n_min=1, n_max=3)
+    # suffix [1, 2, 3] occurred before, followed by 4, 9
+    assert proposer.propose_one([1, 2, 3, 4, 9, 7, 1, 2, 3], 2) == [4, 9]
+
+
+def test_most_recent_match_wins_and_k_caps_the_proposal() -> None:
+    proposer = NgramProposer(n_min=1, n_max=2)
+    assert proposer.propose_one([5, 1, 6, 5, 1, 7, 8, 5, 1], 1) == [7]
+
+
+def test_no_match_no_proposal() -> None:
+    proposer = NgramProposer(n_min=2, n_max=3)
+    assert proposer.propose_one([1, 2, 3, 4], 3) == []
+    assert proposer.propose({"a": [1, 2, 1, 2], "b": [1, 2, 3]}, {"a": 2, "b": 2}) == {"a": [1, 2]}

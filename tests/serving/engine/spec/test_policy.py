@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+from serving.engine.spec.policy import LinearCost, SpeculationPolicy, expected_tokens
+
+
+def trained_policy(accepted_of_4: int = 1) -> SpeculationPolicy:
+    """Target: 10 ms per step + 0.5 ms per token; draft: 1 ms per forward; per-token acceptance ~ 0.5."""
+    policy = SpeculationPolicy(max_k=4, uses_draft_model=True)
+    for tokens in (1, 2, 5, 8, 16, 32, 64, 128):
+        policy.observe_target_step(tokens, 0.010 + 0.0005 * tokens)
+    for seqs in (1, 2, 4, 8, 16, 32):
+        policy.observe_draft_forward(seqs, 0.001 + 0.00002 * seqs)
+    for _ in range(20):
+        policy.observe_verification("r", accepted_of_4, 4)
+    return policy
+
+
+def test_cost_fit_recovers_intercept_and_slope() -> None:
+    cost = LinearCost(intercept=0.0, slope=0.0)
+    for x in range(1, 40):
+        cost.observe(x, 0.004 + 0.001 * x)
+    assert abs(cost.intercept - 0.004) < 1e-4 and abs(cost.slope - 0.001) < 1e-5
+
+
+def test_speculates_at_low_load() -> None:
+    ks = trained_policy().choose({"r": 4}, other_tokens=0, num_decodes=1)
+    assert ks["r"] >= 2
+
+
+def test_backs_off_when_the_batch_is_full() -> None:
+    # 64 decodes: a verify token costs 0.5 ms while an emitted token is worth ~0.66 ms, and only half the
+    # draft tokens are accepted: speculation would lose
+    policy = trained_policy()
+    candidates = {f"r{i}": 4 for i in range(64)}
+    assert set(policy.choose(candidates, other_tokens=0, num_decodes=64).values()) == {0}
+
+
+def test_high_acceptance_pays_even_in_a_full_batch() -> None:
+    policy = trained_policy(accepted_of_4=4)
+    candidates = {f"r{i}": 4 for i in range(64)}
+    assert min(policy.choose(candidates, other_tokens=0, num_decodes=64).values()) > 0
+
+
+def test_fixed_mode_always_uses_k() -> None:
+    policy = SpeculationPolicy(max_k=3, adaptive=False)
+    assert policy.choose({"a": 5, "b": 2}, 0, 2) == {"a": 3, "b": 2}
+
+
+def test_expected_tokens() -> None:
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-9
