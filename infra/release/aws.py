@@ -8,6 +8,7 @@ keeps everything else in it (stickiness, the order of the groups) as it was.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,6 +20,9 @@ from infra.release.traffic import FiringAlarm, SlotStatus
 def client(service: str, region: str | None = None) -> Any:
     """A boto3 client; AWS_ENDPOINT_URL (e.g. a loopback moto_server) is honoured by boto3 itself."""
     import boto3
+
+    if logging.getLogger().level > logging.DEBUG:  # credential/endpoint chatter only with --verbose
+        logging.getLogger("botocore").setLevel(logging.WARNING)
 
     return boto3.client(service, region_name=region) if region else boto3.client(service)
 
