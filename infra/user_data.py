@@ -9,6 +9,8 @@ pull URI DIR` command of infra/cli/weights_cmd.py.
 
 from __future__ import annotations
 
+import base64
+import gzip
 import json
 import shlex
 from dataclasses import dataclass
@@ -59,6 +61,24 @@ class UserDataSpec:
     @property
     def registry(self) -> str:
         return self.image.split("/", 1)[0]
+
+
+# EC2 accepts at most 16 KiB of user-data; cloud-init unpacks gzip, so the script ships compressed.
+USER_DATA_LIMIT = 16 * 1024
+
+
+def encode_user_data(script: str) -> str:
+    """Base64 of the gzipped script (mtime 0: the same script always gives the same bytes, no diff)."""
+    packed = gzip.compress(script.encode(), mtime=0)
+    if len(packed) > USER_DATA_LIMIT:
+        raise ValueError(f"user-data is {len(packed)} bytes compressed; EC2 accepts {USER_DATA_LIMIT}")
+    return base64.b64encode(packed).decode()
+
+
+def decode_user_data(encoded: str) -> str:
+    """The script inside launch-template user-data (base64, gzipped or not)."""
+    raw = base64.b64decode(encoded)
+    return (gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw).decode("utf-8", errors="replace")
 
 
 def _environment() -> jinja2.Environment:

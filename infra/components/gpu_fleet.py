@@ -12,7 +12,6 @@ the baseline `fleet.min_size`; schedules raise the baseline for known peaks.
 
 from __future__ import annotations
 
-import base64
 import re
 from dataclasses import dataclass, field
 
@@ -22,7 +21,7 @@ import pulumi_aws as aws
 from infra.components.aws_common import ASG_DIMENSION, METRIC_NAMESPACE, child, policy_document, tags
 from infra.components.model_store import split_s3_uri
 from infra.config import FleetSpec
-from infra.user_data import UserDataSpec, render_user_data
+from infra.user_data import UserDataSpec, encode_user_data, render_user_data
 from serving import metric_names as m
 
 _DIGEST = re.compile(r"^[^\s@]+@sha256:[0-9a-f]{64}$")
@@ -220,7 +219,7 @@ class GpuFleet(pulumi.ComponentResource):
                         "delete_on_termination": "true"},
             }],
             monitoring={"enabled": True},
-            user_data=base64.b64encode(render_user_data(args.boot).encode()).decode(),
+            user_data=encode_user_data(render_user_data(args.boot)),
             update_default_version=True,
             tag_specifications=[{"resource_type": "instance", "tags": instance_tags},
                                 {"resource_type": "volume", "tags": instance_tags}],

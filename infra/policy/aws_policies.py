@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import gzip
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -94,9 +95,15 @@ def instances_not_public(args: ResourceValidationArgs, report: ReportViolation) 
 def _user_data(props: Mapping[str, Any]) -> str:
     raw = str(props.get("userData") or "")
     try:
-        return base64.b64decode(raw, validate=True).decode("utf-8", errors="replace")
+        packed = base64.b64decode(raw, validate=True)
     except (binascii.Error, ValueError):
-        return raw
+        return raw  # not base64: scan it as it is
+    if packed[:2] == b"\x1f\x8b":  # gzip, as cloud-init accepts it
+        try:
+            packed = gzip.decompress(packed)
+        except (OSError, EOFError):
+            return raw
+    return packed.decode("utf-8", errors="replace")
 
 
 def no_secret_in_user_data(args: ResourceValidationArgs, report: ReportViolation) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import base64
 import copy
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 from infra.policy.aws_policies import POLICIES
 from infra.policy.offline import Violation, check, props_of, run_policy
 from infra.preview import PreviewResult
+from infra.user_data import decode_user_data, encode_user_data
 
 StackFn = Callable[[str], PreviewResult]
 POLICY = {policy.name: policy for policy in POLICIES}
@@ -149,7 +149,7 @@ def test_public_instance_is_caught(aws_stack: StackFn) -> None:
 @pulumi.runtime.test
 def test_secret_in_user_data_is_caught(leak: str, aws_stack: StackFn) -> None:
     def add_leak(props: dict[str, Any]) -> None:
-        script = base64.b64decode(props["userData"]).decode() + f"\n{leak}\n"
-        props["userData"] = base64.b64encode(script.encode()).decode()
+        script = decode_user_data(props["userData"]) + f"\n{leak}\n"
+        props["userData"] = encode_user_data(script)
 
     assert _violations(aws_stack("dev"), "no-plaintext-secret-in-user-data", "fleet-blue-lt", add_leak)

@@ -7,7 +7,6 @@ masked in the record). The positive control proves the scan is not vacuous.
 
 from __future__ import annotations
 
-import base64
 import json
 from collections.abc import Callable
 
@@ -16,6 +15,7 @@ import pytest
 
 from infra.config import SECRET_MASK, load_stack
 from infra.preview import PreviewResult, secret_placeholders
+from infra.user_data import decode_user_data
 
 StackFn = Callable[[str], PreviewResult]
 STACKS = ("dev", "staging", "prod")
@@ -26,7 +26,7 @@ def _everything_recorded(result: PreviewResult) -> list[tuple[str, str]]:
     texts = [(f"{r.type} {r.name} inputs", json.dumps(r.inputs)) for r in result.resources]
     texts += [(f"{r.type} {r.name} outputs", json.dumps(r.outputs)) for r in result.resources]
     texts.append(("exports", json.dumps(result.exports, default=str)))
-    texts += [(f"{r.name} user-data", base64.b64decode(r.inputs["userData"]).decode())
+    texts += [(f"{r.name} user-data", decode_user_data(r.inputs["userData"]))
               for r in result.of_type("aws:ec2/launchTemplate:LaunchTemplate")]
     texts.append(("capacity plan", result.plan_text or ""))
     return texts

@@ -20,7 +20,10 @@ from infra.config import load_stack, render_server_config
 from infra.preview import PreviewResult
 from infra.user_data import (
     TEMPLATES,
+    USER_DATA_LIMIT,
     UserDataSpec,
+    decode_user_data,
+    encode_user_data,
     render_cloudwatch_agent_config,
     render_prometheus_config,
     render_user_data,
@@ -41,7 +44,7 @@ SPEC = UserDataSpec(
 
 
 def _script(result: PreviewResult) -> str:
-    return base64.b64decode(result.single("aws:ec2/launchTemplate:LaunchTemplate").inputs["userData"]).decode()
+    return decode_user_data(result.single("aws:ec2/launchTemplate:LaunchTemplate").inputs["userData"])
 
 
 def _bash_n(script: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
@@ -147,6 +150,11 @@ def test_cloudwatch_agent_publishes_gpu_metrics_and_the_queue_gauge() -> None:
 def test_prometheus_scrape_labels_carry_the_group() -> None:
     scrape = yaml.safe_load(render_prometheus_config(SPEC))["scrape_configs"][0]
     assert scrape["static_configs"][0]["labels"]["AutoScalingGroupName"] == "__ASG_NAME__"
+
+
+def test_user_data_ships_gzipped_within_the_ec2_limit() -> None:
+    encoded = encode_user_data(render_user_data(SPEC))
+    assert len(base64.b64decode(encoded)) <= USER_DATA_LIMIT and decode_user_data(encoded) == render_user_data(SPEC)
 
 
 def test_histogram_publisher_is_installed_verbatim() -> None:

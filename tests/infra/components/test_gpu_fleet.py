@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 from collections.abc import Callable
 from typing import Any
@@ -14,7 +13,7 @@ from infra.capacity import plan, weight_cache_gib
 from infra.components.gpu_fleet import GpuFleetArgs
 from infra.config import ScaleSchedule, load_stack
 from infra.preview import PreviewResult
-from infra.user_data import UserDataSpec
+from infra.user_data import UserDataSpec, decode_user_data
 from serving import metric_names as m
 
 StackFn = Callable[[str], PreviewResult]
@@ -84,7 +83,7 @@ def test_ami_comes_from_the_ssm_parameter(aws_stack: StackFn) -> None:
 @pytest.mark.parametrize("stack", STACKS)
 @pulumi.runtime.test
 def test_user_data_pulls_the_slot_image_by_digest(stack: str, aws_stack: StackFn) -> None:
-    script = base64.b64decode(_template(aws_stack(stack))["userData"]).decode()
+    script = decode_user_data(_template(aws_stack(stack))["userData"])
     assert f"IMAGE={load_stack(stack).config.slots.blue.image}" in script  # type: ignore[union-attr]
 
 
