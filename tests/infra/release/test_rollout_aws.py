@@ -342,3 +342,13 @@ def test_aws_errors_are_one_line(aws_release: AwsRelease, prod_copy: Path, capsy
                  "--target-group", f"blue={aws_release.target_groups['blue']}",
                  "--target-group", f"green={aws_release.target_groups['green']}"]) == 2
     assert "specdeploy: error: AWS API:" in capsys.readouterr().err
+
+
+def test_rollout_to_an_empty_slot_says_fill_it_first(
+        aws_release: AwsRelease, tmp_path: Path, slot_server: SlotServer, capsys: pytest.CaptureFixture[str]) -> None:
+    stacks = tmp_path / "stacks"
+    stacks.mkdir()
+    (stacks / "Pulumi.prod.yaml").write_text((load_stack("prod").path).read_text())  # blue only
+    assert rollout(aws_release, stacks, slot_server) == 2
+    assert "release.green is not defined" in capsys.readouterr().err
+    assert aws_release.count("ModifyListener") == 0
