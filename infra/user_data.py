@@ -52,6 +52,7 @@ class UserDataSpec:
     driver_min: str | None = None
     metrics_require_auth: bool = False
     log_retention_days: int = 30
+    server_uid: int = 10001  # USER of serving/Dockerfile: owns the weight cache and reads the secrets
 
     @classmethod
     def log_groups(cls, stack: str, slot: str) -> tuple[str, str]:
@@ -128,6 +129,7 @@ def render_user_data(spec: UserDataSpec) -> str:
         ready_timeout_s=spec.ready_timeout_s,
         driver_min=spec.driver_min,
         weights_pull=WEIGHTS_PULL,
+        server_uid=spec.server_uid,
         secret_id=spec.secret_id,
         secrets_dir=SECRETS_DIR,
         api_keys_file=f"{SECRETS_DIR}/api_keys",

@@ -124,6 +124,15 @@ def test_script_uses_only_imds_v2() -> None:
     assert all("X-aws-ec2-metadata-token" in line for line in script.splitlines() if "169.254.169.254" in line)
 
 
+def test_cache_and_secrets_belong_to_the_images_user() -> None:
+    dockerfile = (Path(__file__).resolve().parents[2] / "serving" / "Dockerfile").read_text()
+    uid = re.search(r"^USER (\d+)", dockerfile, re.M)
+    assert uid and SPEC.server_uid == int(uid.group(1))
+    script = render_user_data(SPEC)
+    assert f"install -d -m 0755 -o {uid.group(1)} -g {uid.group(1)} /data/models" in script
+    assert f"chown -R {uid.group(1)}:{uid.group(1)} /etc/specdeploy/secrets" in script
+
+
 def test_script_waits_for_ready() -> None:
     assert 'curl -fsS "http://127.0.0.1:$PORT/ready"' in render_user_data(SPEC)
 
