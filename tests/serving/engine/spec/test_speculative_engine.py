@@ -1,0 +1,220 @@
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from serving.engine.config import SpeculativeConfig
+from serving.engine.engine import LLMEngine
+from serving.engine.sampling import SamplingRows, logits_to_probs
+from serving.engine.spec import speculator as speculator_module
+from serving.engine.spec.draft import DraftMismatchError, DraftModelProposer
+from serving.engine.types import GenerationRequest, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def small_draft_dir(kit: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A different, smaller random model: its drafts are mostly rejected."""
+    return kit.save_tiny_model(tmp_path_factory.mktemp("draft"), "llama", num_hidden_layers=1, hidden_size=32,
+                               intermediate_size=48)
+
+
+def spec_engine(kit: Any, model_dir: Path, **spec: Any) -> LLMEngine:
+    overrides = {k: spec.pop(k) for k in ("kv_cache_bytes", "max_num_batched_tokens", "max_num_seqs", "max_queue")
+                 if k in spec}
+    return kit.make_engine(model_dir, speculative=SpeculativeConfig(enabled=True, **spec), **overrides)
+
+
+def repetitive_prompts(kit: Any, n: int) -> list[list[int]]:
+    """Prompts that repeat themselves, so n-gram lookup finds matches."""
+    return [p + p[: len(p) // 2] + p for p in kit.random_prompts([4 + (5 * i) % 23 for i in range(n)], seed=11)]
+
+
+def block_bytes(engine: LLMEngine) -> int:
+    return engine.cache.k[:, 0].numel() * 2 * engine.cache.k.element_size()
+
+
+def assert_block_accounting(engine: LLMEngine) -> None:
+    """Every block is owned by exactly one running sequence, each table exactly as long as it must be."""
+    blocks = engine.blocks
+    tables = [blocks.block_table(r.request_id) for r in engine.scheduler.running]
+    owned = [b for t in tables for b in t]
+    assert len(owned) == len(set(owned)) == blocks.num_used
+    for req in engine.scheduler.running:
+        assert len(blocks.block_table(req.request_id)) == blocks.blocks_for(req.num_computed_tokens)
+    proposer = engine.speculator.proposer if engine.speculator else None
+    if isinstance(proposer, DraftModelProposer):
+        for rid, computed in proposer.computed.items():
+            assert len(proposer.blocks.block_table(rid)) == proposer.blocks.blocks_for(computed)
+
+
+SPEC_CONFIGS = [
+    pytest.param(dict(method="ngram", adaptive=False, num_draft_tokens=4), id="ngram-fixed"),
+    pytest.param(dict(method="ngram", adaptive=True, num_draft_tokens=4), id="ngram-adaptive"),
+    pytest.param(dict(method="draft", adaptive=False, num_draft_tokens=3, draft="target"), id="draft-same-fixed"),
+    pytest.param(dict(method="draft", adaptive=False, num_draft_tokens=3, draft="small"), id="draft-small-fixed"),
+    pytest.param(dict(method="draft", adaptive=True, num_draft_tokens=3, draft="small"), id="draft-small-adaptive"),
+]
+
+
+@pytest.mark.parametrize("spec", SPEC_CONFIGS)
+def test_greedy_output_is_identical_with_speculation_on_and_off_under_preemption(
+    kit: Any, llama_dir: Path, small_draft_dir: Path, spec: dict
+) -> None:
+    prompts = repetitive_prompts(kit, 12)
+    # every third request opts out: batches mix speculating and plain decoding sequences
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, speculative=i % 3 != 2)
+              for i in range(len(prompts))]
+    expected = kit.run_to_completion(kit.make_engine(llama_dir), prompts, params)
+
+    spec = dict(spec)
+    draft = spec.pop("draft", None)
+    if draft:
+        spec["draft_model"] = str(llama_dir if draft == "target" else small_draft_dir)
+    probe = kit.make_engine(llama_dir)
+    engine = spec_engine(kit, llama_dir, kv_cache_bytes=14 * block_bytes(probe), max_num_batched_tokens=48, **spec)
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(GenerationRequest(str(i), prompt, p))
+    got: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+        assert_block_accounting(engine)
+    assert [got[str(i)] for i in range(len(prompts))] == expected
+
+    stats = engine.stats()
+    assert stats.preemptions_total > 0
+    assert stats.spec.num_draft_tokens > 0
+    assert engine.blocks.num_used == 0
+    if isinstance(engine.speculator.proposer, DraftModelProposer):
+        assert engine.speculator.proposer.blocks.num_used == 0
+        assert not engine.speculator.proposer.computed
+
+
+def test_block_accounting_stays_exact_over_a_long_run_with_many_rejections(
+    kit: Any, llama_dir: Path, small_draft_dir: Path
+) -> None:
+    engine = spec_engine(kit, llama_dir, method="draft", draft_model=str(small_draft_dir), adaptive=False,
+                         num_draft_tokens=4)
+    prompts = kit.random_prompts([3 + i for i in range(16)], seed=5)
+    params = [SamplingParams(temperature=0.9, seed=i, max_tokens=60, ignore_eos=True) for i in range(16)]
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(GenerationRequest(str(i), prompt, p))
+    while engine.has_unfinished_requests():
+        engine.step()
+        assert_block_accounting(engine)
+    spec = engine.stats().spec
+    assert spec.num_draft_tokens - spec.num_accepted_tokens > 100  # many rejections happened
+    assert engine.blocks.num_used == 0 and engine.speculator.proposer.blocks.num_used == 0
+
+
+def test_abort_frees_target_and_draft_blocks(kit: Any, llama_dir: Path, small_draft_dir: Path) -> None:
+    engine = spec_engine(kit, llama_dir, method="draft", draft_model=str(small_draft_dir), adaptive=False)
+    for i, prompt in enumerate(kit.random_prompts([20, 30])):
+        engine.add_request(GenerationRequest(str(i), prompt, SamplingParams(max_tokens=100, ignore_eos=True)))
+    for _ in range(4):
+        engine.step()
+    assert engine.speculator.proposer.blocks.num_used > 0
+    for i in range(2):
+        engine.abort_request(str(i))
+    assert engine.blocks.num_used == 0 and engine.speculator.proposer.blocks.num_used == 0
+
+
+def test_a_draft_with_another_vocabulary_is_refused_at_load(kit: Any, llama_dir: Path, tmp_path: Path) -> None:
+    other = kit.save_tiny_model(tmp_path, "llama", vocab_size=64, num_hidden_layers=1)
+    with pytest.raises(DraftMismatchError, match="vocab_size"):
+        spec_engine(kit, llama_dir, method="draft", draft_model=str(other))
+
+
+# ---- the sampled output distribution is the target's ---------------------------------------------------
+
+SMALL_VOCAB = 8
+PROMPT = [1, 5, 2, 7]
+CHI2_CRITICAL_DF7 = 24.32  # p = 0.001
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair(kit: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    target = kit.save_tiny_model(tmp_path_factory.mktemp("sv-target"), "llama", vocab_size=SMALL_VOCAB,
+                                 initializer_range=0.3)
+    draft = kit.save_tiny_model(tmp_path_factory.mktemp("sv-draft"), "llama", vocab_size=SMALL_VOCAB,
+                                num_hidden_layers=1, hidden_size=32, intermediate_size=48, initializer_range=0.3)
+    return target, draft
+
+
+def exact_marginals(target: Path, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distributions of the 2nd and 3rd generated tokens under the target's processed distribution."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+
+    def next_probs(prefixes: list[list[int]]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(torch.tensor(prefixes)).logits[:, -1].float()
+        rows = SamplingRows.from_params([params] * len(prefixes), SMALL_VOCAB, torch.device("cpu"))
+        return logits_to_probs(logits, rows)
+
+    p1 = next_probs([PROMPT])[0]  # [V]
+    p2_given_1 = next_probs([PROMPT + [a] for a in range(SMALL_VOCAB)])  # [V, V]
+    p3_given_12 = next_probs([PROMPT + [a, b] for a in range(SMALL_VOCAB) for b in range(SMALL_VOCAB)])
+    joint12 = p1[:, None] * p2_given_1  # [V, V]
+    p2 = joint12.sum(0)
+    p3 = (joint12.reshape(-1, 1) * p3_given_12).sum(0)
+    return p2, p3
+
+
+def sample_marginals(kit: Any, target: Path, draft: Path, params: SamplingParams, n: int) -> torch.Tensor:
+    engine = spec_engine(kit, target, method="draft", draft_model=str(draft), adaptive=False, num_draft_tokens=2,
+                         max_num_seqs=256, max_num_batched_tokens=1024, max_queue=n)
+    outs = kit.run_to_completion(
+        engine, [PROMPT] * n,
+        [SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=i,
+                        max_tokens=3, ignore_eos=True) for i in range(n)],
+    )
+    assert engine.stats().spec.num_drafts > n // 2  # the 2nd/3rd tokens really went through verification
+    counts = torch.zeros(2, SMALL_VOCAB)
+    for tokens in outs:
+        counts[0, tokens[1]] += 1
+        counts[1, tokens[2]] += 1
+    return counts
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 1e-9
+    assert counts[~keep].sum() == 0, "a token outside the target's support was emitted"
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+SAMPLED = [
+    pytest.param(SamplingParams(temperature=1.0), id="t1"),
+    pytest.param(SamplingParams(temperature=0.8, top_k=5, top_p=0.9), id="topk-topp"),
+]
+
+
+@pytest.mark.parametrize("params", SAMPLED)
+def test_speculative_sampling_keeps_the_target_distribution(
+    kit: Any, small_vocab_pair: tuple[Path, Path], params: SamplingParams
+) -> None:
+    target, draft = small_vocab_pair
+    p2, p3 = exact_marginals(target, params)
+    counts = sample_marginals(kit, target, draft, params, 1500)
+    assert chi_square(counts[0], p2) < CHI2_CRITICAL_DF7
+    assert chi_square(counts[1], p3) < CHI2_CRITICAL_DF7
+
+
+def test_the_distribution_test_detects_a_broken_acceptance_rule(
+    kit: Any, small_vocab_pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def accept_everything(p: torch.Tensor, drafts: list[int], q: Any, generator: torch.Generator) -> list[int]:
+        bonus = torch.multinomial(p[len(drafts)], 1, generator=generator)
+        return drafts + [int(bonus)]
+
+    monkeypatch.setattr(speculator_module, "rejection_sample", accept_everything)
+    target, draft = small_vocab_pair
+    params = SamplingParams(temperature=1.0)
+    p2, _ = exact_marginals(target, params)
+    counts = sample_marginals(kit, target, draft, params, 1500)
+    assert chi_square(counts[0], p2) > CHI2_CRITICAL_DF7
