@@ -33,8 +33,8 @@ def deploy_aws(config: StackConfig, stack: str, region: str) -> dict[str, pulumi
                                          private_subnet_ids=access.private_subnet_ids,
                                          public_subnet_ids=access.public_subnet_ids))
     images = ImageRepository("images", ImageRepositoryArgs(repository_name=fleet.image_repository))
-    api_keys = ApiKeySecret("api-keys", ApiKeySecretArgs(secret_name=f"specdeploy/{stack}/api-keys",
-                                                         api_keys=config.api_keys))
+    secret_name = f"specdeploy/{stack}/api-keys"
+    api_keys = ApiKeySecret("api-keys", ApiKeySecretArgs(secret_name=secret_name, api_keys=config.api_keys))
     lb = LoadBalancer("lb", LoadBalancerArgs(
         vpc_id=network.vpc_id,
         subnet_ids=network.public_subnet_ids if access.public else network.private_subnet_ids,
@@ -44,8 +44,6 @@ def deploy_aws(config: StackConfig, stack: str, region: str) -> dict[str, pulumi
         request_timeout_s=config.scheduler.request_timeout_s,
     ))
     server_config = render_server_config(config, api_keys_file=f"{SECRETS_DIR}/api_keys").to_yaml()
-    same_gpu = [f.instance.name for f in capacity.candidates
-                if f.fits and f.instance.gpu == capacity.instance.gpu and f.instance.name != capacity.instance.name]
     fleets: dict[str, GpuFleet] = {}
     for slot in ("blue", "green"):
         spec = release.slot(slot)
@@ -56,7 +54,7 @@ def deploy_aws(config: StackConfig, stack: str, region: str) -> dict[str, pulumi
             stack=stack, slot=slot, region=region, image=spec.image,
             model_uri=spec.model_version, draft_uri=spec.draft_version,
             model_dir=f"{MODEL_CACHE_DIR}/target", draft_dir=f"{MODEL_CACHE_DIR}/draft" if spec.draft_version else None,
-            cache_dir=MODEL_CACHE_DIR, server_config_yaml=server_config, secret_id=f"specdeploy/{stack}/api-keys",
+            cache_dir=MODEL_CACHE_DIR, server_config_yaml=server_config, secret_id=secret_name,
             log_group=server_logs, prometheus_log_group=metric_logs, port=config.service.port,
             drain_grace_s=config.service.drain_grace_s, ready_timeout_s=fleet.warmup_s,
             driver_min=fleet.nvidia_driver_min, metrics_require_auth=config.service.metrics_require_auth,
@@ -66,7 +64,7 @@ def deploy_aws(config: StackConfig, stack: str, region: str) -> dict[str, pulumi
             weight_cache_gb=weight_cache_gib(capacity.estimate), vpc_id=network.vpc_id,
             subnet_ids=network.private_subnet_ids, lb_security_group_id=lb.security_group_id,
             target_group_arn=lb.target_group_arns[slot], repository_arn=images.repository_arn,
-            secret_arn=api_keys.secret_arn, spot_alternatives=same_gpu[:3],
+            secret_arn=api_keys.secret_arn, spot_alternatives=capacity.same_gpu_alternatives(3),
             requires_draft=capacity.estimate.draft is not None,
         ), opts=pulumi.ResourceOptions(depends_on=[store]))
     alerting = Alerting("alerts", AlertingArgs(

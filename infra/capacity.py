@@ -279,6 +279,11 @@ class CapacityPlan:
         free = self.fit.server_budget - e.weights - e.draft_weights - e.activations
         return max(0, int(free // e.kv_per_token))
 
+    def same_gpu_alternatives(self, limit: int) -> list[str]:
+        """Other catalogued types with the chosen GPU that also fit, cheapest first (spot pools)."""
+        return [f.instance.name for f in self.candidates
+                if f.fits and f.instance.gpu == self.instance.gpu and f.instance.name != self.instance.name][:limit]
+
     def as_dict(self) -> dict[str, Any]:
         e = self.estimate
         return {

@@ -136,6 +136,10 @@ def test_a_70b_bf16_model_fits_nothing_and_says_why(dev: StackConfig) -> None:
     assert "does not shard across GPUs" in str(info.value)
 
 
+def test_spot_pools_are_other_sizes_of_the_same_gpu(dev: StackConfig) -> None:
+    assert plan(dev).same_gpu_alternatives(3) == ["g6e.2xlarge", "g6e.4xlarge", "g6e.8xlarge"]
+
+
 def test_the_server_budget_is_checked_separately(dev: StackConfig) -> None:
     tight = _with(dev, "service", max_memory_utilization=0.2)
     fit = capacity.check_fit(capacity.estimate_memory(tight), instance_type("g6e.xlarge"), 0.2)  # type: ignore[arg-type]
