@@ -58,6 +58,19 @@ def rollout(
     report_dir: Path,
     resume: bool = False,
 ) -> Outcome:
+    """Validate ``to`` alone, shift ``steps`` percent to it watching ``gates``; roll back on a breach."""
+    with release.store.exclusive():
+        return _rollout(release, to, steps, observe_s, gates, validator, endpoints, report_dir, resume)
+
+
+def rollback(release: Release, to: str | None = None) -> Outcome:
+    """All traffic to the previous slot in one router call; then the stack file agrees."""
+    with release.store.exclusive():
+        return _rollback(release, to)
+
+
+def _rollout(release: Release, to: str, steps: Sequence[int], observe_s: float, gates: GateWatcher,
+             validator: Validator | None, endpoints: Sequence[str], report_dir: Path, resume: bool) -> Outcome:
     target = as_slot(to)
     spec = release.stack.config.slots
     if spec.slot(target) is None:
@@ -126,8 +139,7 @@ def rollout(
     return Outcome(True, target if final >= 100 else other(target), weights, None, changed)
 
 
-def rollback(release: Release, to: str | None = None) -> Outcome:
-    """All traffic to the previous slot in one router call; then the stack file agrees."""
+def _rollback(release: Release, to: str | None = None) -> Outcome:
     spec = release.stack.config.slots
     state = release.store.load()
     interrupted = state if state is not None and state.unfinished else None

@@ -8,12 +8,16 @@ truncated, the audit trail of every release of that stack.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from infra.release.model import ReleaseError
 from infra.release.stackfile import atomic_write
 
 Phase = Literal["validating", "shifting", "done", "rolled_back", "failed"]
@@ -50,6 +54,21 @@ class StateStore:
 
     def __init__(self, directory: Path, stack: str) -> None:
         self.path = directory / f"{stack}.state.json"
+        self.lock_path = directory / f"{stack}.lock"
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """One rollout or rollback of a stack at a time on this machine (an advisory flock)."""
+        self.lock_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.lock_path.open("a+") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise ReleaseError(f"another rollout or rollback of this stack is running ({self.lock_path})") from None
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
 
     def load(self) -> RolloutState | None:
         if not self.path.is_file():

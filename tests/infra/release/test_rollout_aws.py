@@ -352,3 +352,13 @@ def test_rollout_to_an_empty_slot_says_fill_it_first(
     assert rollout(aws_release, stacks, slot_server) == 2
     assert "release.green is not defined" in capsys.readouterr().err
     assert aws_release.count("ModifyListener") == 0
+
+
+def test_one_release_operation_per_stack_at_a_time(aws_release: AwsRelease, prod_copy: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from infra.release.state import StateStore
+
+    with StateStore(prod_copy.parent / "state", "prod").exclusive():  # a rollout running in another terminal
+        assert rollback(aws_release, prod_copy) == 2
+    assert "another rollout or rollback of this stack is running" in capsys.readouterr().err
+    assert aws_release.count("ModifyListener") == 0
