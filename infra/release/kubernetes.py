@@ -20,7 +20,8 @@ import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -122,10 +123,10 @@ class KubeApi:
             ctx.load_verify_locations(cadata=base64.b64decode(cluster["certificate-authority-data"]).decode())
         elif cluster.get("certificate-authority"):
             ctx.load_verify_locations(cafile=cluster["certificate-authority"])
-        cert = _material(user, "client-certificate")
-        key = _material(user, "client-key")
-        if cert and key:
-            ctx.load_cert_chain(cert, key)
+        if (user.get("client-certificate") or user.get("client-certificate-data")) and \
+                (user.get("client-key") or user.get("client-key-data")):
+            with _material(user, "client-certificate") as cert, _material(user, "client-key") as key:
+                ctx.load_cert_chain(cert, key)
         token = user.get("token")
         if not token and user.get("exec"):
             token = _exec_token(user["exec"])
@@ -173,16 +174,17 @@ class KubeApi:
         return body.decode("utf-8", errors="replace")
 
 
-def _material(user: Mapping[str, Any], field: str) -> str | None:
-    """A client certificate/key as a file path (inline ``-data`` is written to a private temp file)."""
-    if user.get(f"{field}-data"):
-        handle = tempfile.NamedTemporaryFile("wb", prefix="specdeploy-kube-", delete=False)
-        with handle:
-            os.chmod(handle.name, 0o600)
-            handle.write(base64.b64decode(user[f"{field}-data"]))
-        return handle.name
-    value = user.get(field)
-    return str(value) if value else None
+@contextmanager
+def _material(user: Mapping[str, Any], field: str) -> Iterator[str]:
+    """A client certificate/key as a file path; inline ``-data`` lives in a private temp file meanwhile."""
+    if not user.get(f"{field}-data"):
+        yield str(user[field])
+        return
+    with tempfile.NamedTemporaryFile("wb", prefix="specdeploy-kube-") as handle:
+        os.chmod(handle.name, 0o600)
+        handle.write(base64.b64decode(user[f"{field}-data"]))
+        handle.flush()
+        yield handle.name
 
 
 def _exec_token(spec: Mapping[str, Any]) -> str:

@@ -52,3 +52,24 @@ def test_no_kubeconfig_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     with pytest.raises(ReleaseError, match="no kubeconfig"):
         KubeApi.from_environment(tmp_path / "absent")
+
+
+def test_client_certificate_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import base64
+    import glob
+    import shutil
+    import subprocess
+    import tempfile
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a client certificate")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=operator", "-days", "1",
+                    "-keyout", str(tmp_path / "key.pem"), "-out", str(tmp_path / "cert.pem")],
+                   check=True, capture_output=True)
+    user = {f"client-{kind}-data": base64.b64encode((tmp_path / f"{kind[:4]}.pem").read_bytes()).decode()
+            for kind in ("certificate", "key")}
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    before = set(glob.glob(f"{tempfile.gettempdir()}/specdeploy-kube-*"))
+    api = KubeApi.from_environment(write_kubeconfig(tmp_path / "config", user))
+    assert api.token is None and api.context is not None
+    assert set(glob.glob(f"{tempfile.gettempdir()}/specdeploy-kube-*")) == before  # key material not left behind
