@@ -40,6 +40,7 @@ class RecordedResource:
     custom: bool  # False for components
     secret_paths: tuple[str, ...] = ()  # dotted input paths that arrived marked secret
     outputs: dict[str, Any] = field(default_factory=dict)  # state the mocks answered (ids, ARNs, names)
+    depends_on: tuple[str, ...] = ()  # logical names of the resources this one waits for
 
 
 @dataclass
@@ -126,8 +127,9 @@ def _monitor_class() -> Any:
                 parent = request.parent.rsplit("::", 1)[-1] if request.parent else None
                 if request.parent and request.parent.split("::")[-2].endswith("pulumi:pulumi:Stack"):
                     parent = ""
+                depends = tuple(sorted({urn.rsplit("::", 1)[-1] for urn in request.dependencies}))
                 self.records.append(RecordedResource(request.type, request.name, parent, inputs,
-                                                     bool(request.custom), tuple(paths), outputs))
+                                                     bool(request.custom), tuple(paths), outputs, depends))
             return response
 
     return RecordingMonitor

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pulumi
@@ -45,6 +46,12 @@ def tls_only_statement(bucket_arn: str) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class SecureBucket:
+    bucket: aws.s3.Bucket
+    policy: aws.s3.BucketPolicy  # depend on it when a service checks its access at creation (ALB logs)
+
+
 def secure_bucket(
     name: str,
     parent: pulumi.Resource,
@@ -54,7 +61,7 @@ def secure_bucket(
     noncurrent_days: int,
     expire_current_days: int | None = None,
     extra_statements: Callable[[pulumi.Output[str]], pulumi.Input[list[dict[str, Any]]]] | None = None,
-) -> aws.s3.Bucket:
+) -> SecureBucket:
     """A private, encrypted, versioned bucket with a TLS-only policy and lifecycle rules.
 
     `sse_algorithm` is ``aws:kms`` where the readers can use KMS, ``AES256`` where
@@ -109,11 +116,11 @@ def secure_bucket(
     statements = pulumi.Output.all(bucket.arn, extra).apply(
         lambda args: policy_document([tls_only_statement(args[0]), *args[1]])
     )
-    aws.s3.BucketPolicy(
+    policy = aws.s3.BucketPolicy(
         f"{name}-policy",
         bucket=bucket.id,
         policy=statements,
         # A policy put before the public access block exists could briefly allow too much.
         opts=child(parent, depends_on=[public_block]),
     )
-    return bucket
+    return SecureBucket(bucket, policy)

@@ -18,7 +18,7 @@ from typing import Any
 import pulumi
 import pulumi_aws as aws
 
-from infra.components.aws_common import child, secure_bucket, tags
+from infra.components.aws_common import SecureBucket, child, secure_bucket, tags
 
 SLOTS = ("blue", "green")
 TLS_POLICY = "ELBSecurityPolicy-TLS13-1-2-2021-06"
@@ -83,7 +83,8 @@ class LoadBalancer(pulumi.ComponentResource):
 
     def __init__(self, name: str, args: LoadBalancerArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("specdeploy:aws:LoadBalancer", name, None, opts)
-        log_bucket = self._log_bucket(name, args)
+        logs = self._log_bucket(name, args)
+        log_bucket = logs.bucket
         listen_ports = [443, 80] if args.tls else [80]
         sg = aws.ec2.SecurityGroup(
             f"{name}-sg",
@@ -107,7 +108,8 @@ class LoadBalancer(pulumi.ComponentResource):
             enable_http2=True,
             access_logs={"bucket": log_bucket.bucket, "prefix": "alb", "enabled": True},
             tags=tags(f"{name}-alb"),
-            opts=child(self),
+            # The ALB checks at creation that it may write its logs: the bucket policy must exist first.
+            opts=child(self, depends_on=[logs.policy]),
         )
         groups = {slot: self._target_group(name, slot, args) for slot in SLOTS}
         forward: aws.lb.ListenerDefaultActionArgsDict = {
@@ -169,7 +171,7 @@ class LoadBalancer(pulumi.ComponentResource):
             opts=child(self),
         )
 
-    def _log_bucket(self, name: str, args: LoadBalancerArgs) -> aws.s3.Bucket:
+    def _log_bucket(self, name: str, args: LoadBalancerArgs) -> SecureBucket:
         # ALB log delivery writes as the region's ELB account (older regions) or the log-delivery service.
         elb_account = aws.elb.get_service_account_output(opts=pulumi.InvokeOutputOptions(parent=self))
         caller = aws.get_caller_identity_output(opts=pulumi.InvokeOutputOptions(parent=self))

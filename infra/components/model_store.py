@@ -47,7 +47,7 @@ class ModelStore(pulumi.ComponentResource):
         bucket = secure_bucket(
             f"{name}-bucket", self, bucket_name=args.bucket_name, sse_algorithm="aws:kms",
             noncurrent_days=args.noncurrent_version_days,
-        )
+        ).bucket
         self.bucket_name = bucket.bucket
         self.bucket_arn = bucket.arn
         self.register_outputs({"bucket_name": self.bucket_name, "bucket_arn": self.bucket_arn})

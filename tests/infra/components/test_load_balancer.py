@@ -91,6 +91,12 @@ def test_access_logs_go_to_the_log_bucket(stack: str, aws_stack: StackFn) -> Non
 
 
 @pulumi.runtime.test
+def test_alb_waits_for_the_log_bucket_policy(aws_stack: StackFn) -> None:
+    # AWS checks at creation that the ALB may write its access logs.
+    assert "lb-logs-policy" in aws_stack("prod").single(ALB).depends_on
+
+
+@pulumi.runtime.test
 def test_log_bucket_uses_sse_s3_as_alb_requires(aws_stack: StackFn) -> None:
     sse = "aws:s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration"
     rule = aws_stack("prod").one(sse, "lb-logs-encryption").inputs["rules"][0]
