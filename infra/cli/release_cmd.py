@@ -62,6 +62,8 @@ def register(subparsers: Any) -> None:
     )
     rollback.add_argument("--stack", required=True, help="stack name, e.g. prod")
     rollback.add_argument("--to", choices=("blue", "green"), help="the slot to return to (default: the previous one)")
+    rollback.add_argument("--force", action="store_true",
+                          help="roll back even when the previous slot reports nothing ready")
     rollback.add_argument("--no-pulumi-up", action="store_true",
                           help="only print the `pulumi up` command, even when a Pulumi CLI is installed")
     _add_target_options(rollback)
@@ -152,7 +154,7 @@ def _rollback(args: argparse.Namespace) -> int:
     try:
         stack = _load(args)
         release, _, _ = _connect(stack, _options(args), args, slot=None, with_alarms=False)
-        outcome = rollback(release, args.to)
+        outcome = rollback(release, args.to, force=args.force)
     except ReleaseError as exc:
         raise CommandError(str(exc)) from None
     except _cloud_errors() as exc:

@@ -63,10 +63,13 @@ def rollout(
         return _rollout(release, to, steps, observe_s, gates, validator, endpoints, report_dir, resume)
 
 
-def rollback(release: Release, to: str | None = None) -> Outcome:
-    """All traffic to the previous slot in one router call; then the stack file agrees."""
+def rollback(release: Release, to: str | None = None, force: bool = False) -> Outcome:
+    """All traffic to the previous slot in one router call; then the stack file agrees.
+
+    Refuses (unless ``force``) when that slot has nothing ready: it would route every request to nothing.
+    """
     with release.store.exclusive():
-        return _rollback(release, to)
+        return _rollback(release, to, force)
 
 
 def _rollout(release: Release, to: str, steps: Sequence[int], observe_s: float, gates: GateWatcher,
@@ -139,13 +142,18 @@ def _rollout(release: Release, to: str, steps: Sequence[int], observe_s: float, 
     return Outcome(True, target if final >= 100 else other(target), weights, None, changed)
 
 
-def _rollback(release: Release, to: str | None = None) -> Outcome:
+def _rollback(release: Release, to: str | None, force: bool) -> Outcome:
     spec = release.stack.config.slots
     state = release.store.load()
     interrupted = state if state is not None and state.unfinished else None
     target = as_slot(to) if to else rollback_target(spec, interrupted.from_slot if interrupted else None)
     if spec.slot(target) is None:
         raise ReleaseError(f"cannot roll back to {target}: release.{target} is not defined in {release.stack.path}")
+    status = release.router.slot_status(target)
+    release.log.write("slot_status", slot=target, ready=status.ready, detail=status.detail)
+    if not status.ready and not force:
+        raise ReleaseError(f"{target} has nothing ready to take the traffic ({status.detail}); "
+                           "rolling back would send every request to nothing. --force does it anyway")
     weights = weights_to(target, 100)
     release.router.set_weights(weights)
     release.log.write("rollback", slot=target, weights=weights, router=release.router.description,

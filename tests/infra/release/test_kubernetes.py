@@ -279,3 +279,13 @@ def test_without_an_endpoint_the_pods_metrics_are_read_through_the_api_proxy(
     assert {p.split("/pods/")[1] for p in proxied} == {"specdeploy-green-0:8000/proxy/metrics",
                                                        "specdeploy-green-1:8000/proxy/metrics"}
     assert canary_weights(api_server.canary()) == {"green": 0, "blue": 100}
+
+
+def test_rollback_refuses_a_slot_with_nothing_ready(api_server: FakeApiServer, kubeconfig: Path, prod_copy: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    api_server.objects["/apis/apps/v1/namespaces/specdeploy/deployments/specdeploy-blue"]["status"] = {}
+    assert k8s("rollback", prod_copy, kubeconfig, "--no-pulumi-up") == 2
+    assert "blue has nothing ready" in capsys.readouterr().err
+    assert api_server.patches() == []
+    assert k8s("rollback", prod_copy, kubeconfig, "--no-pulumi-up", "--force") == 0
+    assert canary_weights(api_server.canary()) == {"green": 0, "blue": 100}
