@@ -1,0 +1,1 @@
+"""Templates rendered by infra/user_data.py (a package so that installs carry them)."""
