@@ -1,0 +1,254 @@
+"""Speculative decoding, measured: c=1 latency and tokens/s with spec off / draft / n-gram, the same pair
+through transformers' assisted generation and prompt lookup, spec-on ÷ spec-off throughput across
+concurrency, acceptance, and the ceiling a pair can reach. Greedy, fixed output length, held-out prompts.
+Used by `specdeploy bench spec`.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from serving.engine.batch import SequenceInput, build_forward_batch
+from serving.engine.config import EngineConfig, SpeculativeConfig
+from serving.engine.engine import LLMEngine
+from serving.engine.kv_cache import BlockManager, KVCache
+from serving.engine.model import Transformer
+from serving.engine.types import GenerationRequest, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LatencyRun:
+    system: str  # spec_off, spec_draft, spec_ngram, hf_generate, hf_assisted, hf_prompt_lookup
+    requests: int
+    output_tokens: int
+    tokens_per_s: float
+    p50_latency_s: float
+    p99_latency_s: float
+    acceptance_rate: float | None = None
+    mean_accepted_length: float | None = None  # tokens per verification (accepted drafts + 1)
+    note: str = ""
+
+
+@dataclass
+class ThroughputRun:
+    concurrency: int
+    spec_off_tokens_per_s: float
+    spec_draft_tokens_per_s: float
+    spec_ngram_tokens_per_s: float
+    draft_on_over_off: float
+    ngram_on_over_off: float
+    draft_k_histogram: dict[int, int] = field(default_factory=dict)  # k chosen -> sequence-steps, all repeats
+
+
+@dataclass
+class SpecBenchReport:
+    target: str
+    draft: str
+    threads: int
+    num_draft_tokens: int
+    prompts: int
+    output_len: int
+    c1: list[LatencyRun] = field(default_factory=list)
+    throughput: list[ThroughputRun] = field(default_factory=list)
+    ceiling: dict[str, float] = field(default_factory=dict)
+    ratios: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def c1_run(self, system: str) -> LatencyRun | None:
+        return next((r for r in self.c1 if r.system == system and r.tokens_per_s > 0), None)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(round(q * (len(ordered) - 1))), len(ordered) - 1)] if ordered else 0.0
+
+
+def make_engine(target: Path, spec: SpeculativeConfig, max_num_seqs: int, threads: int) -> LLMEngine:
+    return LLMEngine.from_config(EngineConfig(
+        model=str(target), device="cpu", kv_cache_bytes=256 * 2**20, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max(512, max_num_seqs), num_threads=threads, speculative=spec,
+    ))
+
+
+def run_sequential(engine: LLMEngine, system: str, prompts: list[list[int]], output_len: int) -> LatencyRun:
+    """c=1: one request at a time, end-to-end latency per request."""
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    latencies, tokens = [], 0
+    before = engine.stats().spec
+    drafted, accepted, rounds = before.num_draft_tokens, before.num_accepted_tokens, before.num_drafts
+    for i, prompt in enumerate(prompts):
+        start = time.perf_counter()
+        engine.add_request(GenerationRequest(f"{system}-{i}", prompt, params))
+        while engine.has_unfinished_requests():
+            tokens += sum(len(o.new_token_ids) for o in engine.step())
+        latencies.append(time.perf_counter() - start)
+    spec = engine.stats().spec
+    d_drafted, d_accepted, d_rounds = (spec.num_draft_tokens - drafted, spec.num_accepted_tokens - accepted,
+                                       spec.num_drafts - rounds)
+    return LatencyRun(
+        system, len(prompts), tokens, tokens / sum(latencies), statistics.median(latencies),
+        percentile(latencies, 0.99),
+        acceptance_rate=d_accepted / d_drafted if d_drafted else None,
+        mean_accepted_length=(d_accepted + d_rounds) / d_rounds if d_rounds else None,
+    )
+
+
+def run_concurrent(engine: LLMEngine, prompts: list[list[int]], concurrency: int, output_len: int) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    for i in range(concurrency):
+        engine.add_request(GenerationRequest(f"c{concurrency}-{i}-{time.monotonic_ns()}",
+                                             prompts[i % len(prompts)], params))
+    start, tokens = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        tokens += sum(len(o.new_token_ids) for o in engine.step())
+    return tokens / (time.perf_counter() - start)
+
+
+def run_hf(model: Any, system: str, prompts: list[list[int]], output_len: int, **generate_kwargs: Any) -> LatencyRun:
+    latencies, tokens = [], 0
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                                 min_new_tokens=output_len, do_sample=False, pad_token_id=0, **generate_kwargs)
+        latencies.append(time.perf_counter() - start)
+        tokens += int(out.shape[1] - ids.shape[1])
+    return LatencyRun(system, len(prompts), tokens, tokens / sum(latencies), statistics.median(latencies),
+                      percentile(latencies, 0.99))
+
+
+@torch.inference_mode()
+def forward_seconds(model: Transformer, context: int, new_tokens: int, repeats: int = 20) -> float:
+    """Median time of one forward of new_tokens tokens after `context` cached ones (one sequence)."""
+    args = model.args
+    device, dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
+    blocks = BlockManager(64, 16)
+    cache = KVCache(args.n_layers, 64, 16, args.n_kv_heads, args.head_dim, dtype, device)
+    blocks.allocate("s", context + new_tokens)
+    tokens = [1] * new_tokens
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        batch = build_forward_batch([SequenceInput(tokens, context, blocks.block_table("s"),
+                                                   list(range(new_tokens)))], 16, args.n_rep, device, dtype)
+        model.compute_logits(model(batch, cache), batch.logits_index).argmax(-1).tolist()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_ceiling(target: Transformer, draft: Transformer | None, k: int, context: int = 128) -> dict[str, float]:
+    """Speed-up at full acceptance: (k + 1) decode steps replaced by one verify of k + 1 tokens + k draft steps."""
+    decode = forward_seconds(target, context, 1)
+    verify = forward_seconds(target, context, k + 1)
+    draft_step = forward_seconds(draft, context, 1) if draft is not None else 0.0
+    return {
+        "target_decode_step_s": decode,
+        "target_verify_step_s": verify,
+        "draft_step_s": draft_step,
+        "draft_ceiling_speedup": (k + 1) * decode / (verify + k * draft_step),
+        "ngram_ceiling_speedup": (k + 1) * decode / verify,
+    }
+
+
+def load_prompts(tokenizer: Any, count: int) -> list[list[int]]:
+    from serving.demo import load_prompts as demo_prompts
+
+    texts = [p.prompt for p in demo_prompts("code")[:count]]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"][-256:] for t in texts]
+
+
+def run_spec_benchmark(
+    target: Path,
+    draft: Path,
+    concurrencies: list[int],
+    output_len: int,
+    num_prompts: int,
+    k: int,
+    threads: int,
+    baselines: bool = True,
+    repeats: int = 2,
+) -> SpecBenchReport:
+    torch.set_num_threads(threads)
+    max_c = max(concurrencies)
+    off = make_engine(target, SpeculativeConfig(enabled=False), max_c, threads)
+    on_draft = make_engine(target, SpeculativeConfig(enabled=True, method="draft", draft_model=str(draft),
+                                                     num_draft_tokens=k), max_c, threads)
+    on_ngram = make_engine(target, SpeculativeConfig(enabled=True, method="ngram", num_draft_tokens=k),
+                           max_c, threads)
+    if off.tokenizer is None:
+        raise ValueError(f"{target} has no tokenizer: the spec benchmark encodes the held-out text prompts")
+    prompts = load_prompts(off.tokenizer, num_prompts)
+    report = SpecBenchReport(str(target), str(draft), torch.get_num_threads(), k, len(prompts), output_len)
+
+    for engine in (off, on_draft, on_ngram):  # warm-up, and a first fit of the policy's cost model
+        run_concurrent(engine, prompts, 2, 16)
+    report.c1.append(run_sequential(off, "spec_off", prompts, output_len))
+    report.c1.append(run_sequential(on_draft, "spec_draft", prompts, output_len))
+    report.c1.append(run_sequential(on_ngram, "spec_ngram", prompts, output_len))
+    for run in report.c1:
+        log.info("c=1 %s: %.1f tok/s, p50 %.2fs", run.system, run.tokens_per_s, run.p50_latency_s)
+
+    if baselines:
+        from transformers import AutoModelForCausalLM
+
+        hf: Any = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+        hf_draft: Any = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
+        run_hf(hf, "warmup", prompts[:1], 8)
+        report.c1.append(run_hf(hf, "hf_generate", prompts, output_len))
+        for system, kwargs in (("hf_assisted", {"assistant_model": hf_draft}),
+                               ("hf_prompt_lookup", {"prompt_lookup_num_tokens": k})):
+            try:
+                report.c1.append(run_hf(hf, system, prompts, output_len, **kwargs))
+            except Exception as exc:  # reported, not fatal
+                log.warning("%s failed: %s", system, exc)
+                report.c1.append(LatencyRun(system, 0, 0, 0.0, 0.0, 0.0, note=f"failed: {exc}"[:200]))
+
+    for c in concurrencies:
+        before = dict(on_draft.stats().spec.k_histogram)
+        # interleaved, best of `repeats`: the machine is shared, and a slow moment should not decide a ratio
+        t_off = t_draft = t_ngram = 0.0
+        for _ in range(repeats):
+            t_off = max(t_off, run_concurrent(off, prompts, c, output_len))
+            t_draft = max(t_draft, run_concurrent(on_draft, prompts, c, output_len))
+            t_ngram = max(t_ngram, run_concurrent(on_ngram, prompts, c, output_len))
+        after = on_draft.stats().spec.k_histogram
+        hist = {kk: v - before.get(kk, 0) for kk, v in after.items() if v - before.get(kk, 0)}
+        report.throughput.append(ThroughputRun(c, t_off, t_draft, t_ngram, t_draft / t_off, t_ngram / t_off, hist))
+        log.info("c=%d: off %.0f, draft %.0f, ngram %.0f tok/s", c, t_off, t_draft, t_ngram)
+
+    proposer = on_draft.speculator.proposer if on_draft.speculator else None
+    report.ceiling = measure_ceiling(off.model, getattr(proposer, "model", None), k)
+    report.ratios = spec_ratios(report)
+    return report
+
+
+def spec_ratios(report: SpecBenchReport) -> dict[str, float]:
+    ratios: dict[str, float] = {}
+    off, draft, ngram = report.c1_run("spec_off"), report.c1_run("spec_draft"), report.c1_run("spec_ngram")
+    assisted, lookup = report.c1_run("hf_assisted"), report.c1_run("hf_prompt_lookup")
+    if off and draft:
+        ratios["c1_draft_over_off"] = draft.tokens_per_s / off.tokens_per_s  # goal >= 2.5
+        ratios["c1_draft_p99_over_off_p99"] = draft.p99_latency_s / off.p99_latency_s  # goal <= 0.5
+    if off and ngram:
+        ratios["c1_ngram_over_off"] = ngram.tokens_per_s / off.tokens_per_s
+        ratios["c1_ngram_p99_over_off_p99"] = ngram.p99_latency_s / off.p99_latency_s
+    if draft and assisted:
+        ratios["c1_draft_over_hf_assisted"] = draft.tokens_per_s / assisted.tokens_per_s  # goal >= 1.3
+    if ngram and lookup:
+        ratios["c1_ngram_over_hf_prompt_lookup"] = ngram.tokens_per_s / lookup.tokens_per_s
+    for run in report.throughput:
+        ratios[f"c{run.concurrency}_draft_on_over_off"] = run.draft_on_over_off  # goal >= 0.97
+        ratios[f"c{run.concurrency}_ngram_on_over_off"] = run.ngram_on_over_off
+    return ratios
