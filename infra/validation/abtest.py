@@ -6,8 +6,8 @@ speculation is a net gain only if single-request P99 latency drops *clearly* and
 
 - "clearly": pooled P99 E2E falls by at least ``min_p99_gain`` (10 %) *and* the per-repeat P99s
   of the speculative arm rank below the plain arm's with an exact one-sided Mann-Whitney p-value of
-  at most ``max_p_value`` (5 %), so the gain is not run-to-run noise (with 4 repeats: at most one
-  swapped pair; a shared machine's noise easily produces a 10 % "gain" between identical servers);
+  at most ``max_p_value`` (5 %), so the gain is not run-to-run noise (with 6 repeats: up to 7 of the 36
+  pairs out of order; a shared machine's noise easily produces a 10 % "gain" between identical servers);
 - "not noticeably": output-token throughput falls by at most ``max_throughput_loss`` (5 %).
 
 The decision is made per cell (prompt set x concurrency level), because speculation pays off on

@@ -116,7 +116,7 @@ def _group_of(nodeid: str) -> str:
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    run = _stashed_run(report)
+    run = _stashed_run()
     if run is None:
         return
     if report.when == "call" or (report.when == "setup" and not report.passed):
@@ -130,6 +130,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
                                        report.duration))
 
 
+# The configs of the sessions in this process (one, unless pytest runs pytest): the report hook
+# receives no config, so it finds the run record through them.
 _SESSION_CONFIG: list[pytest.Config] = []
 
 
@@ -142,7 +144,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         _SESSION_CONFIG.remove(config)
 
 
-def _stashed_run(_: object) -> LaunchRun | None:
+def _stashed_run() -> LaunchRun | None:
     for config in _SESSION_CONFIG:
         run = config.stash.get(_RUN_KEY, None)
         if run is not None:
