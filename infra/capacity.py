@@ -331,6 +331,16 @@ class CapacityPlan:
         return "\n".join(lines)
 
 
+def render_candidates(candidates: tuple[Fit, ...]) -> str:
+    """Every catalogued type against the estimate, cheapest first."""
+    lines = [f"{'type':<14} {'gpu':<18} {'GiB':>4} {'$/h':>7}  fits"]
+    for f in candidates:
+        verdict = "yes" if f.fits else f"no: {f.problems[0]}"
+        lines.append(f"{f.instance.name:<14} {f.instance.gpu:<18} {f.instance.gpu_memory_gib:>4g} "
+                     f"{f.instance.price_per_hour:>7.3f}  {verdict}")
+    return "\n".join(lines)
+
+
 def gib(value: float) -> str:
     return f"{value / GIB:.1f}"
 

@@ -17,12 +17,13 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--read-config", action="store_true",
                         help="read the models' config.json from their s3:// source (your AWS credentials)")
     parser.add_argument("--json", action="store_true", help="machine-readable summary")
+    parser.add_argument("--candidates", action="store_true", help="also list every catalogued type and why it fits")
     parser.add_argument("--stacks-dir", type=Path, help=argparse.SUPPRESS)
     parser.set_defaults(func=_plan)
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from infra.capacity import CapacityError, plan, read_config_anywhere, read_local_config
+    from infra.capacity import CapacityError, plan, read_config_anywhere, read_local_config, render_candidates
     from infra.config import ConfigError, load_stack
 
     try:
@@ -36,4 +37,6 @@ def _plan(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(result.as_dict(), indent=2) + "\n")
     else:
         sys.stdout.write(f"stack        {stack.name} ({stack.config.platform})\n{result.render()}\n")
+        if args.candidates:
+            sys.stdout.write(f"\n{render_candidates(result.candidates)}\n")
     return 0

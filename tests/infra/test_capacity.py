@@ -159,6 +159,14 @@ def test_plan_command_prints_the_instance(capsys: pytest.CaptureFixture[str]) ->
     assert "g6e.xlarge (cheapest that fits)" in capsys.readouterr().out
 
 
+def test_plan_command_lists_candidates(capsys: pytest.CaptureFixture[str]) -> None:
+    from infra.cli.main import main
+
+    assert main(["plan", "--stack", "dev", "--candidates"]) == 0
+    out = capsys.readouterr().out
+    assert "g6e.xlarge     NVIDIA L40S" in out and "g5.xlarge" in out and "no: " in out
+
+
 def test_plan_command_reports_a_misfit_as_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from infra.cli.main import main
     from infra.config import STACKS_DIR
