@@ -20,6 +20,7 @@ class Profile:
     max_tokens: int  # cap on each request's output budget
     sweep_concurrency: tuple[int, ...]  # closed-loop levels of the sweep (clipped to max_concurrency)
     sweep_requests_per_worker: int  # requests per worker at each level
+    sweep_min_requests: int  # per level, also at concurrency 1
     open_loop_s: float  # Poisson phase at 80 % of the measured capacity at target concurrency
     sustained_s: float  # closed loop at target concurrency: sustained SLO figures and stability
     ab_prompt_sets: tuple[str, ...]
@@ -37,17 +38,18 @@ class Profile:
 
 PROFILES: dict[str, Profile] = {
     "quick": Profile(
-        name="quick", max_tokens=32, sweep_concurrency=(1, 4), sweep_requests_per_worker=2,
+        name="quick", max_tokens=32, sweep_concurrency=(1, 4), sweep_requests_per_worker=2, sweep_min_requests=4,
         open_loop_s=10, sustained_s=30, ab_prompt_sets=("code", "writing"), ab_concurrency=(1, 4),
         ab_repeats=6, ab_requests_per_worker=1, ab_min_requests=2, sample_interval_s=1.0,
     ),
     "standard": Profile(
         name="standard", max_tokens=128, sweep_concurrency=(1, 2, 4, 8, 16, 32), sweep_requests_per_worker=4,
+        sweep_min_requests=16,
         open_loop_s=120, sustained_s=15 * 60, ab_prompt_sets=("code", "chat", "extraction", "writing"),
         ab_concurrency=(1, 4, 16), ab_repeats=6, ab_requests_per_worker=4, ab_min_requests=8, sample_interval_s=2.0,
     ),
     "soak": Profile(
-        name="soak", max_tokens=128, sweep_concurrency=(1, 4, 16), sweep_requests_per_worker=4,
+        name="soak", max_tokens=128, sweep_concurrency=(1, 4, 16), sweep_requests_per_worker=4, sweep_min_requests=16,
         open_loop_s=300, sustained_s=4 * 3600, ab_prompt_sets=("code", "chat", "extraction", "writing"),
         ab_concurrency=(1, 4, 16), ab_repeats=6, ab_requests_per_worker=4, ab_min_requests=8, sample_interval_s=10.0,
         warmup_fraction=0.05,

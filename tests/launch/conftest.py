@@ -344,7 +344,7 @@ def sweep(launch_run: LaunchRun, endpoint: str, api_key: str | None, profile: Pr
             for level in levels:
                 phases[level] = await gen.closed_loop(
                     f"sweep c={level}", workloads, level,
-                    num_requests=max(4, level * profile.sweep_requests_per_worker))
+                    num_requests=max(profile.sweep_min_requests, level * profile.sweep_requests_per_worker))
         return phases
 
     phases: dict[int, Any] = run(measure())
