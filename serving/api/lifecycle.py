@@ -51,7 +51,9 @@ def build_engine(settings: Settings) -> Engine:
         max_memory_utilization=config.model.max_memory_utilization,
         max_num_seqs=scheduler.max_concurrency,
         max_num_batched_tokens=scheduler.max_batched_tokens,
-        max_model_len=config.max_model_len,
+        # Only an explicit limit: the engine otherwise takes the checkpoint's own positions, and the API
+        # checks requests against min(engine limit, max_input_len + max_output_len).
+        max_model_len=config.model.max_model_len,
         max_queue=scheduler.max_queue,
         speculative=SpeculativeConfig(
             enabled=spec.enabled,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -55,7 +54,6 @@ class ServerState:
     inflight: int = 0  # generation requests admitted and not yet finished
     started_at: float = field(default_factory=time.monotonic)
     service_time_s: float | None = None  # moving average of end-to-end latency of finished requests
-    idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     def readiness(self) -> tuple[bool, str]:
         if self.failure is not None:
@@ -75,12 +73,9 @@ class ServerState:
 
     def begin_request(self) -> None:
         self.inflight += 1
-        self.idle.clear()
 
     def end_request(self, e2e_s: float | None) -> None:
         self.inflight -= 1
-        if self.inflight == 0:
-            self.idle.set()
         if e2e_s is not None:
             previous = self.service_time_s
             self.service_time_s = e2e_s if previous is None else previous + _SERVICE_TIME_EWMA * (e2e_s - previous)

@@ -60,6 +60,23 @@ def test_fifty_clients_disconnecting_mid_stream_free_their_blocks_within_a_secon
     assert server.metric("specdeploy_requests_running") == 0
 
 
+def test_non_streaming_client_that_gives_up_frees_its_blocks(server: Any, api_keys: dict[str, str]) -> None:
+    idle = server.metric("specdeploy_kv_blocks_used")
+    body = {"model": "tiny", "prompt": "long", "max_tokens": 1000, "ignore_eos": True}
+    with server.client(timeout=0.3) as client:
+        try:
+            client.post(COMPLETIONS, json=body)
+        except httpx.TimeoutException:
+            pass
+        else:
+            raise AssertionError("expected the client to give up first")
+    left_at = time.monotonic()
+    while server.metric("specdeploy_requests_running") != 0 and time.monotonic() - left_at < 5:
+        time.sleep(0.02)
+    assert time.monotonic() - left_at < 1.0
+    assert server.metric("specdeploy_kv_blocks_used") == idle
+
+
 def test_overload_four_times_capacity_completes_or_refuses_with_retry_after(
     capacity_server: Any, api_keys: dict[str, str]
 ) -> None:
