@@ -83,6 +83,11 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def device_type(self) -> str:
+        """"cpu" or "cuda": where the model runs."""
+        return self.engine.device.type
+
     def stats(self) -> EngineStats:
         return self.engine.stats()
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,13 +65,20 @@ def make_engine(model_dir: Path, **overrides: object) -> LLMEngine:
     return LLMEngine.from_config(cfg)
 
 
-def run_to_completion(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+def run_to_completion(
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    after_step: Callable[[LLMEngine], None] | None = None,
+) -> list[list[int]]:
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(GenerationRequest(str(i), prompt, p))
     got: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     while engine.has_unfinished_requests():
         for out in engine.step():
             got[out.request_id] += out.new_token_ids
+        if after_step is not None:
+            after_step(engine)
     return [got[str(i)] for i in range(len(prompts))]
 
 

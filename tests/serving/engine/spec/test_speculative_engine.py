@@ -75,14 +75,7 @@ def test_greedy_output_is_identical_with_speculation_on_and_off_under_preemption
         spec["draft_model"] = str(llama_dir if draft == "target" else small_draft_dir)
     probe = kit.make_engine(llama_dir)
     engine = spec_engine(kit, llama_dir, kv_cache_bytes=14 * block_bytes(probe), max_num_batched_tokens=48, **spec)
-    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(GenerationRequest(str(i), prompt, p))
-    got: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            got[out.request_id] += out.new_token_ids
-        assert_block_accounting(engine)
-    assert [got[str(i)] for i in range(len(prompts))] == expected
+    assert kit.run_to_completion(engine, prompts, params, after_step=assert_block_accounting) == expected
 
     stats = engine.stats()
     assert stats.preemptions_total > 0
@@ -100,11 +93,7 @@ def test_block_accounting_stays_exact_over_a_long_run_with_many_rejections(
                          num_draft_tokens=4)
     prompts = kit.random_prompts([3 + i for i in range(16)], seed=5)
     params = [SamplingParams(temperature=0.9, seed=i, max_tokens=60, ignore_eos=True) for i in range(16)]
-    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(GenerationRequest(str(i), prompt, p))
-    while engine.has_unfinished_requests():
-        engine.step()
-        assert_block_accounting(engine)
+    kit.run_to_completion(engine, prompts, params, after_step=assert_block_accounting)
     spec = engine.stats().spec
     assert spec.num_draft_tokens - spec.num_accepted_tokens > 100  # many rejections happened
     assert engine.blocks.num_used == 0 and engine.speculator.proposer.blocks.num_used == 0
