@@ -102,20 +102,18 @@ def decide(prompt_set: str, concurrency: int, on: ArmResult, off: ArmResult,
     change = tput_on / tput_off - 1
     p_value = rank_test_p(on.repeat_p99s(), off.repeat_p99s())
     separated = p_value <= rule.max_p_value
-    numbers = (f"P99 E2E {p99_off:.2f}s -> {p99_on:.2f}s ({gain:+.0%} gain, rank test p={p_value:.2f}), "
-               f"throughput {change:+.0%}")
-    if gain < rule.min_p99_gain:
-        reason = f"{numbers}: latency gain below the {rule.min_p99_gain:.0%} needed to call it a clear drop"
-        verdict = DISABLE
+    numbers = (f"P99 E2E off {p99_off:.2f}s, on {p99_on:.2f}s ({-gain:+.0%}, rank test p={p_value:.2f}), "
+               f"tokens/s {change:+.0%}")
+    if gain < 0:
+        reason, verdict = f"{numbers}: speculation makes P99 worse", DISABLE
+    elif gain < rule.min_p99_gain:
+        reason, verdict = f"{numbers}: P99 drops less than the {rule.min_p99_gain:.0%} a clear gain needs", DISABLE
     elif not separated:
-        reason = f"{numbers}: repeats overlap too much, the gain is within run-to-run noise"
-        verdict = DISABLE
+        reason, verdict = f"{numbers}: the drop is within run-to-run noise (the repeats overlap)", DISABLE
     elif change < -rule.max_throughput_loss:
-        reason = f"{numbers}: throughput falls more than {rule.max_throughput_loss:.0%}"
-        verdict = DISABLE
+        reason, verdict = f"{numbers}: throughput falls more than {rule.max_throughput_loss:.0%}", DISABLE
     else:
-        reason = f"{numbers}: P99 drops clearly and throughput holds"
-        verdict = ENABLE
+        reason, verdict = f"{numbers}: P99 drops clearly and throughput holds", ENABLE
     return Decision(prompt_set, concurrency, verdict, gain, change, separated, p_value, reason)
 
 

@@ -26,7 +26,12 @@ def test_clear_latency_drop_with_steady_throughput_enables() -> None:
 
 def test_small_latency_drop_disables() -> None:
     d = decide("writing", 1, on=_arm([1.95] * 4, [100] * 4), off=_arm([2.0] * 4, [100] * 4))
-    assert d.verdict == DISABLE and "below the 10%" in d.reason
+    assert d.verdict == DISABLE and "less than the 10%" in d.reason
+
+
+def test_slower_speculation_says_so() -> None:
+    d = decide("writing", 1, on=_arm([3.0] * 4, [100] * 4), off=_arm([2.0] * 4, [100] * 4))
+    assert d.verdict == DISABLE and "worse" in d.reason and "(+50%" in d.reason
 
 
 def test_gain_within_run_to_run_noise_disables() -> None:
