@@ -20,7 +20,7 @@ from serving.engine.kv_cache import BlockManager, KVCache, kv_bytes_per_block
 from serving.engine.loader import load_model, read_model_args, resolve_dtype
 from serving.engine.model import Transformer
 from serving.engine.request import Request
-from serving.engine.sampling import SamplingRows, compute_logprobs, sample
+from serving.engine.sampling import compute_logprobs, sample_requests
 from serving.engine.scheduler import Scheduler, SchedulerOutput
 from serving.engine.spec.draft import DraftModelProposer
 from serving.engine.spec.ngram import NgramProposer
@@ -197,8 +197,8 @@ class LLMEngine:
     def sample_or_verify(self, reqs: list[Request], drafts: list[list[int]], logits: torch.Tensor) -> list[list[int]]:
         """One token per plain request; accepted drafts plus one token per verifying request."""
         if not any(drafts):
-            rows = SamplingRows.from_params([r.params for r in reqs], self.args.vocab_size, self.device)
-            return [[t] for t in sample(logits, rows, [r.generator for r in reqs]).tolist()]
+            tokens = sample_requests(logits, [r.params for r in reqs], [r.generator for r in reqs])
+            return [[t] for t in tokens.tolist()]
         assert self.speculator is not None
         starts = [0]
         for d in drafts:
@@ -207,10 +207,9 @@ class LLMEngine:
         verifying = [i for i, d in enumerate(drafts) if d]
         emitted: list[list[int]] = [[] for _ in reqs]
         if plain:
-            rows = SamplingRows.from_params([reqs[i].params for i in plain], self.args.vocab_size, self.device)
             idx = torch.tensor([starts[i] for i in plain], device=logits.device)
-            for i, t in zip(plain, sample(logits[idx], rows, [reqs[i].generator for i in plain]).tolist(),
-                            strict=True):
+            sampled = sample_requests(logits[idx], [reqs[i].params for i in plain], [reqs[i].generator for i in plain])
+            for i, t in zip(plain, sampled.tolist(), strict=True):
                 emitted[i] = [t]
         idx = torch.tensor([row for i in verifying for row in range(starts[i], starts[i + 1])], device=logits.device)
         verified = self.speculator.verify([reqs[i] for i in verifying], [drafts[i] for i in verifying], logits[idx])

@@ -91,6 +91,15 @@ def sample(logits: torch.Tensor, rows: SamplingRows, generators: list[torch.Gene
     return torch.where(rows.greedy, logits.argmax(dim=-1), sampled)
 
 
+def sample_requests(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+) -> torch.Tensor:
+    """One token per row for rows with the given parameters; all-greedy batches skip building the rows."""
+    if all(p.greedy for p in params):
+        return logits.argmax(dim=-1)
+    return sample(logits, SamplingRows.from_params(params, logits.shape[-1], logits.device), generators)
+
+
 def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: list[int]) -> list[TokenLogprobs]:
     """The chosen token's log-probability and the top-n alternatives per row, from raw logits."""
     logprobs = logits.log_softmax(dim=-1)

@@ -129,10 +129,10 @@ class DraftModelProposer:
         started = time.perf_counter()
         batch = build_forward_batch(seqs, self.block_size, self.model.args.n_rep, self.device, self.dtype)
         logits = self.model.compute_logits(self.model(batch, self.cache), batch.logits_index)  # [n, V]
-        rows = SamplingRows.from_params([r.params for r in reqs], self.model.args.vocab_size, self.device)
-        if rows.all_greedy:
+        if all(r.params.greedy for r in reqs):
             tokens = logits.argmax(dim=-1).tolist()
         else:
+            rows = SamplingRows.from_params([r.params for r in reqs], self.model.args.vocab_size, self.device)
             q = logits_to_probs(logits, rows)
             uniforms = draw_uniforms([r.generator for r in reqs], [1] * len(reqs), self.device)
             sampled = sample_from_probs(q, uniforms)
