@@ -163,8 +163,10 @@ def aws_release(aws_world: AwsRelease) -> AwsRelease:
     import boto3
 
     aws_world.set_weights({"blue": 100, "green": 0})
-    for name in aws_world.alarm_names:
-        boto3.client("cloudwatch").set_alarm_state(AlarmName=name, StateValue="OK", StateReason="fixture")
+    cloudwatch = boto3.client("cloudwatch")
+    for alarm in cloudwatch.describe_alarms(AlarmNames=aws_world.alarm_names)["MetricAlarms"]:
+        if alarm["StateValue"] != "OK":
+            cloudwatch.set_alarm_state(AlarmName=alarm["AlarmName"], StateValue="OK", StateReason="fixture")
     aws_world.calls.clear()
     return aws_world
 

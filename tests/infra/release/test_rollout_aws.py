@@ -69,7 +69,7 @@ def when_weight(aws: AwsRelease, percent: int, action: Callable[[], None]) -> th
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if aws.weights()["green"] == percent:
-                time.sleep(0.5)  # after the window's baseline scrape
+                time.sleep(0.3)  # after the window's baseline scrape
                 action()
                 return
             time.sleep(0.05)
@@ -108,7 +108,7 @@ def test_alarm_mid_rollout_rolls_back_to_the_old_slot(
         capsys: pytest.CaptureFixture[str]) -> None:
     before = (prod_copy / "Pulumi.prod.yaml").read_text()
     watcher = when_weight(aws_release, 50, lambda: aws_release.set_alarm("SpecdeployHighErrorRate"))
-    assert rollout(aws_release, prod_copy, slot_server, "--observe", "1.5s") == 1
+    assert rollout(aws_release, prod_copy, slot_server, "--observe", "1.2s") == 1
     watcher.join()
     assert aws_release.weights() == {"blue": 100, "green": 0}
     assert [e["weight"] for e in events(prod_copy) if e["event"] == "shift"] == [10, 50]
@@ -125,7 +125,7 @@ def test_error_rate_on_the_new_slot_rolls_back_before_any_alarm(
         aws_release: AwsRelease, prod_copy: Path, slot_server: SlotServer, validated: list[str],
         capsys: pytest.CaptureFixture[str]) -> None:
     when_weight(aws_release, 10, lambda: slot_server.serve(100, errors=30))
-    assert rollout(aws_release, prod_copy, slot_server, "--observe", "1.5s") == 1
+    assert rollout(aws_release, prod_copy, slot_server, "--observe", "1.2s") == 1
     assert aws_release.weights() == {"blue": 100, "green": 0}
     assert "green error rate" in capsys.readouterr().out
     assert release_of(prod_copy) == ("blue", 0)
@@ -134,7 +134,7 @@ def test_error_rate_on_the_new_slot_rolls_back_before_any_alarm(
 def test_slow_new_slot_rolls_back_on_p99(aws_release: AwsRelease, prod_copy: Path, slot_server: SlotServer,
                                          validated: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     when_weight(aws_release, 10, lambda: slot_server.serve(200, latency_s=60.0))
-    assert rollout(aws_release, prod_copy, slot_server, "--observe", "1.5s") == 1
+    assert rollout(aws_release, prod_copy, slot_server, "--observe", "1.2s") == 1
     assert "P99 latency" in capsys.readouterr().out
     assert aws_release.weights() == {"blue": 100, "green": 0}
 
