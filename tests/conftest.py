@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -59,3 +65,37 @@ def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         shutil.copy(DEMO_TOKENIZER / name, path / name)
     (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return path
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint() -> Iterator[str]:
+    """A loopback moto_server for the session (S3 and the other AWS APIs the tests use); reset it with
+    POST /moto-api/reset."""
+    port = _free_port()
+    binary = Path(sys.executable).with_name("moto_server")
+    proc = subprocess.Popen(
+        [str(binary), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("moto_server did not start") from None
+                time.sleep(0.1)
+        yield endpoint
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

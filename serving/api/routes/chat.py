@@ -7,14 +7,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from serving.api.deps import EngineDep, StateDep
-from serving.api.generation import ClientGone, GenerationRun, encode_chat, until_disconnect
-from serving.api.routes.common import chat_logprobs, check_finish, check_model, collect, sse_events, start_run
+from serving.api.generation import GenerationRun, encode_chat
+from serving.api.routes.common import Collected, chat_logprobs, check_finish, check_model, respond, start_run
 from serving.api.schemas import ChatCompletionRequest
-from serving.api.sse import EventStreamResponse
 
 router = APIRouter(tags=["chat"])
 
@@ -29,19 +27,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     run = start_run(request, state, engine, body, prompt_ids, body.output_limit, logprobs, "chatcmpl")
     base = {"id": run.request.request_id, "object": "chat.completion", "created": int(time.time()),
             "model": body.model}
-    if body.stream:
-        return EventStreamResponse(sse_events(run, _chunks(run, base, body, engine.tokenizer)))
-    try:
-        result = await until_disconnect(request.receive, collect(run))
-    except ClientGone:
-        return Response(status_code=499)
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": result.text},
-        "logprobs": chat_logprobs(engine.tokenizer, result.logprobs) if body.logprobs else None,
-        "finish_reason": result.finish_reason,
-    }
-    return JSONResponse({**base, "choices": [choice], "usage": run.usage})
+
+    def whole(result: Collected) -> dict[str, Any]:
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": result.text},
+            "logprobs": chat_logprobs(engine.tokenizer, result.logprobs) if body.logprobs else None,
+            "finish_reason": result.finish_reason,
+        }
+        return {**base, "choices": [choice], "usage": run.usage}
+
+    return await respond(request, run, _chunks(run, base, body, engine.tokenizer) if body.stream else None, whole)
 
 
 async def _chunks(run: GenerationRun, base: dict[str, Any], body: ChatCompletionRequest,

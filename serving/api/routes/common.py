@@ -3,16 +3,27 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import JSONResponse
+from starlette.responses import Response
 
 from serving.api.errors import ApiError
-from serving.api.generation import GenerationRun, admit, new_request_id, resolve_max_tokens, sampling_params
+from serving.api.generation import (
+    ClientGone,
+    GenerationRun,
+    admit,
+    new_request_id,
+    resolve_max_tokens,
+    sampling_params,
+    until_disconnect,
+)
+from serving.api.middleware import STATUS_CLIENT_CLOSED
 from serving.api.schemas import SamplingFields
-from serving.api.sse import DONE, sse_event
+from serving.api.sse import DONE, EventStreamResponse, sse_event
 from serving.api.state import Engine, ServerState
 from serving.engine.types import GenerationRequest, RequestOutput, TokenLogprobs
 
@@ -55,6 +66,18 @@ async def collect(run: GenerationRun) -> Collected:
     if result.finish_reason in (None, "abort"):
         raise aborted_error()
     return result
+
+
+async def respond(request: Request, run: GenerationRun, stream: AsyncIterator[dict[str, Any]] | None,
+                  whole: Callable[[Collected], dict[str, Any]]) -> Response:
+    """SSE when ``stream`` is given; else wait for the whole output (aborted if the client leaves)."""
+    if stream is not None:
+        return EventStreamResponse(sse_events(run, stream))
+    try:
+        result = await until_disconnect(request.receive, collect(run))
+    except ClientGone:
+        return Response(status_code=STATUS_CLIENT_CLOSED)
+    return JSONResponse(whole(result))
 
 
 async def sse_events(run: GenerationRun, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:

@@ -7,22 +7,20 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from serving.api.deps import EngineDep, StateDep
 from serving.api.errors import ApiError
-from serving.api.generation import ClientGone, GenerationRun, encode_text, until_disconnect
+from serving.api.generation import GenerationRun, encode_text
 from serving.api.routes.common import (
+    Collected,
     check_finish,
     check_model,
-    collect,
     completion_logprobs,
-    sse_events,
+    respond,
     start_run,
 )
 from serving.api.schemas import CompletionRequest
-from serving.api.sse import EventStreamResponse
 
 router = APIRouter(tags=["completions"])
 
@@ -38,19 +36,13 @@ async def create_completion(body: CompletionRequest, request: Request, engine: E
     run = start_run(request, state, engine, body, prompt_ids, body.max_tokens, body.logprobs, "cmpl")
     created = int(time.time())
     base = {"id": run.request.request_id, "object": "text_completion", "created": created, "model": body.model}
-    if body.stream:
-        return EventStreamResponse(sse_events(run, _chunks(run, base, body, engine.tokenizer)))
-    try:
-        result = await until_disconnect(request.receive, collect(run))
-    except ClientGone:
-        return Response(status_code=499)
-    choice = {
-        "index": 0,
-        "text": result.text,
-        "logprobs": completion_logprobs(engine.tokenizer, result.logprobs, 0) if body.logprobs is not None else None,
-        "finish_reason": result.finish_reason,
-    }
-    return JSONResponse({**base, "choices": [choice], "usage": run.usage})
+
+    def whole(result: Collected) -> dict[str, Any]:
+        logprobs = completion_logprobs(engine.tokenizer, result.logprobs, 0) if body.logprobs is not None else None
+        choice = {"index": 0, "text": result.text, "logprobs": logprobs, "finish_reason": result.finish_reason}
+        return {**base, "choices": [choice], "usage": run.usage}
+
+    return await respond(request, run, _chunks(run, base, body, engine.tokenizer) if body.stream else None, whole)
 
 
 async def _chunks(run: GenerationRun, base: dict[str, Any], body: CompletionRequest,

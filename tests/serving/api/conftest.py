@@ -105,44 +105,37 @@ class ServerProcess:
         return int(self.proc.returncode)
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory, model_store: str) -> Iterator[ServerProcess]:
-    """The shared server: roomy limits, three API keys (one rate-limited)."""
-    proc = ServerProcess(tmp_path_factory.mktemp("server"), model_store,
-                         overrides={"model": {"max_model_len": 1100}})
+def _serving(workdir: Path, model_store: str, overrides: dict[str, dict[str, Any]]) -> Iterator[ServerProcess]:
+    proc = ServerProcess(workdir, model_store, overrides=overrides)
     try:
         proc.wait_ready()
         yield proc
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory, model_store: str) -> Iterator[ServerProcess]:
+    """The shared server: roomy limits, three API keys (one rate-limited)."""
+    yield from _serving(tmp_path_factory.mktemp("server"), model_store, {"model": {"max_model_len": 1100}})
 
 
 @pytest.fixture(scope="session")
 def small_server(tmp_path_factory: pytest.TempPathFactory, model_store: str) -> Iterator[ServerProcess]:
     """A 1 s request timeout and room for 1500 output tokens: a long request must time out."""
-    proc = ServerProcess(tmp_path_factory.mktemp("small"), model_store, overrides={
+    yield from _serving(tmp_path_factory.mktemp("small"), model_store, {
         "scheduler": {"max_concurrency": 4, "max_queue": 4, "max_output_len": 1500, "max_input_len": 256,
                       "request_timeout_s": 1},
     })
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")
 def capacity_server(tmp_path_factory: pytest.TempPathFactory, model_store: str) -> Iterator[ServerProcess]:
     """Capacity 2 running + 2 queued: for overload; the drain test ends it with SIGTERM."""
-    proc = ServerProcess(tmp_path_factory.mktemp("capacity"), model_store, overrides={
+    yield from _serving(tmp_path_factory.mktemp("capacity"), model_store, {
         "scheduler": {"max_concurrency": 2, "max_queue": 2, "request_timeout_s": 60},
         "service": {"drain_grace_s": 30},
     })
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="session")
