@@ -213,8 +213,8 @@ class LLMEngine:
                 emitted[i] = [t]
         idx = torch.tensor([row for i in verifying for row in range(starts[i], starts[i + 1])], device=logits.device)
         verified = self.speculator.verify([reqs[i] for i in verifying], [drafts[i] for i in verifying], logits[idx])
-        for i, tokens in zip(verifying, verified, strict=True):
-            emitted[i] = tokens
+        for i, accepted in zip(verifying, verified, strict=True):
+            emitted[i] = accepted
         return emitted
 
     def logprobs_of(
