@@ -158,15 +158,15 @@ class GateWatcher:
         self._clock = clock
         self._sleep = sleep
 
-    def preflight(self) -> str | None:
-        """A reason not to start: an alarm already firing would make any breach unattributable."""
-        if self.alarms is None:
-            return None
-        firing = self.alarms.firing()
+    def preflight(self, slot: str) -> str | None:
+        """A reason not to start: an alarm already firing would make any breach unattributable, and
+        metrics that cannot be read now would roll back the first step for nothing."""
+        firing = self.alarms.firing() if self.alarms is not None else []
         if firing:
             names = ", ".join(f"{a.name} ({a.reason})" for a in firing)
             return f"alarm already firing before any traffic moved: {names}; resolve it first"
-        return None
+        _, reason = self._snapshot(slot)
+        return reason
 
     def observe(self, slot: str, weight: int, seconds: float) -> str | None:
         """Watch for ``seconds``; the breach reason, or None when every gate held."""

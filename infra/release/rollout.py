@@ -113,7 +113,7 @@ def _rollout(release: Release, to: str, steps: Sequence[int], observe_s: float, 
         state.phase = "shifting"
         release.store.save(state)
 
-    problem = gates.preflight() if state.current_weight == 0 else None
+    problem = gates.preflight(target) if state.current_weight == 0 else None
     if problem:
         return _refuse(release, state, problem)
 

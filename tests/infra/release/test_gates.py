@@ -119,7 +119,15 @@ def test_unreadable_metrics_breach(tmp_path: Path) -> None:
 def test_firing_alarm_blocks_the_start(tmp_path: Path) -> None:
     alarms = Alarms()
     alarms.firing_now = [FiringAlarm("prod-SpecdeployQueueBacklog", "Threshold Crossed")]
-    assert "already firing" in (watcher(tmp_path, alarms, None).preflight() or "")
+    assert "already firing" in (watcher(tmp_path, alarms, None).preflight("green") or "")
+
+
+def test_unreadable_metrics_block_the_start(tmp_path: Path) -> None:
+    def down(url: str) -> str:
+        raise ConnectionRefusedError("connection refused")
+
+    assert "cannot read green's /metrics" in (watcher(tmp_path, None, down).preflight("green") or "")  # type: ignore[arg-type]
+    assert watcher(tmp_path, None, Pages(page(1, 0))).preflight("green") is None
 
 
 def test_reads_the_real_servers_exposition() -> None:
