@@ -10,66 +10,21 @@ deployed server with other flags could not promise.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-
-_USERS_PID = re.compile(r"pid=(\d+)")
-
-
-@dataclass(frozen=True)
-class Listener:
-    address: str  # local address as ss prints it: 127.0.0.1, 0.0.0.0, [::], *
-    port: int
-    pid: int | None  # None when ss may not show the owner (another user's process without root)
-
-
-def parse_ss(output: str) -> list[Listener]:
-    """Listening TCP sockets from ``ss -H -ltnp`` output."""
-    listeners = []
-    for line in output.splitlines():
-        fields = line.split()
-        if len(fields) < 4:
-            continue
-        local = fields[3]
-        address, _, port = local.rpartition(":")
-        if not port.isdigit():
-            continue
-        address = address.split("%", 1)[0]  # drop an interface scope (127.0.0.1%lo)
-        match = _USERS_PID.search(line)
-        listeners.append(Listener(address, int(port), int(match.group(1)) if match else None))
-    return listeners
-
-
-def listeners_on(port: int, ss_output: str | None = None) -> list[Listener]:
-    if ss_output is None:
-        ss_output = subprocess.run(["ss", "-H", "-ltnp"], capture_output=True, text=True, check=False).stdout
-    return [entry for entry in parse_ss(ss_output) if entry.port == port]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
-
-
-def process_cmdline(pid: int) -> list[str]:
-    raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    return [part.decode("utf-8", "replace") for part in raw.split(b"\0") if part]
-
-
-def process_environ(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes()
-    pairs = (part.decode("utf-8", "replace").partition("=") for part in raw.split(b"\0") if part)
-    return {key: value for key, _, value in pairs}
 
 
 def config_path_of(cmdline: Sequence[str], environ: Mapping[str, str], cwd: Path | None = None) -> Path | None:
@@ -176,9 +131,14 @@ _CAP_DAC_READ_SEARCH = 2
 def start_twin(pid: int, overrides: Mapping[str, str], log_path: Path, ready_timeout_s: float = 180) -> ServerProcess:
     """Start a server with the config file and environment of process ``pid``, plus ``overrides``
     (``SPECDEPLOY__SECTION__KEY`` variables), on a free loopback port."""
+    import testinfra
+
+    from infra.validation import hostfacts
+
+    host = testinfra.get_host("local://")
     cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
-    environ = process_environ(pid)
-    config = config_path_of(process_cmdline(pid), environ, cwd)
+    environ = hostfacts.process_environ(host, pid)
+    config = config_path_of(hostfacts.process_argv(host, pid), environ, cwd)
     if config is None:
         raise RuntimeError(f"process {pid} shows no --config or SPECDEPLOY_CONFIG; cannot start a twin of it")
     env = {**environ, **overrides}

@@ -295,15 +295,10 @@ def server_pids(serving_hosts: list[str], server_port: int) -> Any:
     """A function returning {testinfra host spec: pid listening on the server port} for --hosts."""
     import testinfra
 
-    from infra.validation.local_server import parse_ss
+    from infra.validation.hostfacts import server_pid
 
     def current() -> dict[str, int | None]:
-        pids: dict[str, int | None] = {}
-        for spec in serving_hosts:
-            output = testinfra.get_host(spec).run("ss -H -ltnp").stdout
-            found = sorted({e.pid for e in parse_ss(output) if e.port == server_port and e.pid is not None})
-            pids[spec] = found[0] if len(found) == 1 else None
-        return pids
+        return {spec: server_pid(testinfra.get_host(spec), server_port) for spec in serving_hosts}
 
     return current
 
@@ -414,15 +409,18 @@ def ab_arms(options: LaunchOptions, endpoint: str, api_key: str | None, stack: A
     if stack.platform != "local":
         pytest.skip("no --ab-endpoint: on a cloud stack fill the idle release slot with speculation flipped "
                     "and pass its URL")
-    from infra.validation.local_server import TwinUnavailable, listeners_on, start_twin
+    import testinfra
 
-    pids = {entry.pid for entry in listeners_on(server_port) if entry.pid is not None}
-    if len(pids) != 1:
-        pytest.skip(f"cannot tell which local process serves port {server_port} (found {sorted(pids)})")
+    from infra.validation.hostfacts import server_pid
+    from infra.validation.local_server import TwinUnavailable, start_twin
+
+    pid = server_pid(testinfra.get_host("local://"), server_port)
+    if pid is None:
+        pytest.skip(f"cannot tell which local process serves port {server_port}")
     flipped = "false" if deployed_on else "true"
     log = tmp_path_factory.mktemp("ab") / "twin.log"
     try:
-        twin = start_twin(pids.pop(), {"SPECDEPLOY__SPECULATIVE__ENABLED": flipped}, log)
+        twin = start_twin(pid, {"SPECDEPLOY__SPECULATIVE__ENABLED": flipped}, log)
     except TwinUnavailable as exc:
         pytest.skip(f"no A/B possible: {exc}")
     method = (f"two servers on this host: the deployed one and a twin started from its config file and "

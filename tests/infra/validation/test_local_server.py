@@ -1,20 +1,42 @@
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 
-from infra.validation.local_server import Listener, config_path_of, parse_ss, run_as
+from infra.validation.hostfacts import Listener, listeners, parse_proc_net_tcp, server_pid
+from infra.validation.local_server import config_path_of, run_as
 from infra.validation.runner import pytest_command
 
-SS = """LISTEN 0      2048       127.0.0.1:8000      0.0.0.0:*    users:(("python",pid=1234,fd=13))
-LISTEN 0      128          0.0.0.0:22        0.0.0.0:*
-LISTEN 0      511             [::]:8000         [::]:*    users:(("python",pid=99,fd=7))
-LISTEN 0      4096   127.0.0.53%lo:53        0.0.0.0:*
+# /proc/net/tcp and tcp6: 127.0.0.1:8000 and 0.0.0.0:22 listening, one established, [::]:8000 and [::1]:53
+PROC_NET_TCP = """  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:1F40 00000000:0000 0A 00000000:00000000 00:00000000 00000000 10001        0 5001 1 0 100 0 0 10 0
+   1: 00000000:0016 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 5002 1 0 100 0 0 10 0
+   2: 0100007F:1F40 0100007F:D431 01 00000000:00000000 00:00000000 00000000 10001        0 5003 1 0 20 4 30 10 -1
+  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when
+   0: 00000000000000000000000000000000:1F40 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 \
+00000000     0        0 6001 1 0 100 0 0 10 0
+   1: 00000000000000000000000001000000:0035 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 \
+00000000   101        0 6002 1 0 100 0 0 10 0
 """
 
 
-def test_parse_ss_reads_address_port_and_owner() -> None:
-    assert parse_ss(SS) == [Listener("127.0.0.1", 8000, 1234), Listener("0.0.0.0", 22, None),
-                            Listener("[::]", 8000, 99), Listener("127.0.0.53", 53, None)]
+def test_proc_net_tcp_gives_listening_address_port_owner_and_inode() -> None:
+    assert parse_proc_net_tcp(PROC_NET_TCP) == [
+        Listener("127.0.0.1", 8000, 10001, 5001), Listener("0.0.0.0", 22, 0, 5002),
+        Listener("[::]", 8000, 0, 6001), Listener("[::1]", 53, 101, 6002)]
+
+
+def test_the_server_behind_a_port_is_found_on_this_machine() -> None:
+    import testinfra
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        host = testinfra.get_host("local://")
+        assert [(e.address, e.port) for e in listeners(host, port)] == [("127.0.0.1", port)]
+        assert server_pid(host, port) == os.getpid()
 
 
 def test_config_path_comes_from_the_command_line_or_the_environment() -> None:
