@@ -6,6 +6,7 @@ Not thread-safe: one thread drives it (the async wrapper's loop thread, a benchm
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 import random
 import time
@@ -256,7 +257,7 @@ class LLMEngine:
             step_time_total_s=self.step_time_total_s,
             last_step_s=self.last_step_s,
             recent_step_durations_s=list(self.recent_step_durations_s),
-            spec=self.speculator.stats if self.speculator is not None else SpecStats(),
+            spec=copy.deepcopy(self.speculator.stats) if self.speculator is not None else SpecStats(),
         )
 
 

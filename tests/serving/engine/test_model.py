@@ -89,3 +89,18 @@ def test_model_args_from_hf_config_reads_gqa_and_eos() -> None:
         "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 128, "eos_token_id": [3, 4],
     })
     assert (args.n_rep, args.head_dim, args.eos_token_ids) == (4, 8, [3, 4])
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.bfloat16, 0.08), (torch.float16, 0.01)], ids=["bf16", "fp16"])
+def test_half_precision_logits_track_transformers_in_the_same_dtype(
+    kit: Any, llama_dir: Path, dtype: torch.dtype, tol: float
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    prompt = kit.random_prompts([30])
+    runner = kit.PagedRunner(llama_dir, dtype=dtype)
+    got = torch.cat([runner.step(prompt, [(0, 0, 20)]), runner.step(prompt, [(0, 20, 10)])])
+    ref = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=dtype).eval()
+    with torch.no_grad():
+        want = ref(torch.tensor(prompt)).logits[0].float()
+    assert (got - want).abs().max().item() < tol  # a few ulps at logits of magnitude ~3
