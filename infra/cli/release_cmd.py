@@ -120,7 +120,7 @@ def _rollout(args: argparse.Namespace) -> int:
             release.log.write("metrics_gate_off", slot=args.to, reason="no endpoint reaches the slot alone")
             _say(f"warning: no endpoint for {args.to}: error-rate/P99 gate off, alarms only (pass --slot-endpoint)")
         gates = GateWatcher(alarms, metrics, GateThresholds.from_stack(stack.config, args.min_requests),
-                            release.log, poll_s=poll_s)
+                            release.log, poll_s=poll_s, say=_say)
         report_dir = args.report_dir or Path("reports") / "release" / f"{stack.name}-{args.to}-{int(time.time())}"
         _say(f"rollout {stack.name}: {args.to} in steps {','.join(map(str, steps))}% observing {args.observe} each "
              f"via {release.router.description}; log {release.log.path}")

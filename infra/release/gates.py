@@ -149,6 +149,8 @@ class GateWatcher:
         poll_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        say: Callable[[str], None] | None = None,
+        say_every_s: float = 60.0,
     ) -> None:
         self.alarms = alarms
         self.metrics = metrics
@@ -157,6 +159,8 @@ class GateWatcher:
         self.poll_s = poll_s
         self._clock = clock
         self._sleep = sleep
+        self._say = say  # a progress line for the operator at most every say_every_s
+        self._say_every_s = say_every_s
 
     def preflight(self, slot: str) -> str | None:
         """A reason not to start: an alarm already firing would make any breach unattributable, and
@@ -174,6 +178,7 @@ class GateWatcher:
         if reason:
             return reason
         deadline = self._clock() + seconds
+        last_said = self._clock()
         while True:
             reason = self._check_alarms()
             window = None
@@ -187,6 +192,9 @@ class GateWatcher:
                            **self._window_fields(window), remaining_s=round(max(remaining, 0.0), 1))
             if reason is not None or remaining <= 0:
                 return reason
+            if self._say is not None and self._clock() - last_said >= self._say_every_s:
+                last_said = self._clock()
+                self._say(f"  {slot} {weight}%: gates ok{self._describe(window)}, {remaining:.0f}s left")
             self._sleep(min(self.poll_s, remaining))
 
     def _check_alarms(self) -> str | None:
@@ -215,6 +223,14 @@ class GateWatcher:
         if window.latency_count >= t.min_requests and p99 is not None and p99 > t.p99_latency_s:
             return f"{slot} P99 latency {p99:.2f}s exceeds {t.p99_latency_s:g}s (alerting.p99_latency_s)"
         return None
+
+    @staticmethod
+    def _describe(window: MetricsSnapshot | None) -> str:
+        if window is None:
+            return ""
+        p99 = window.latency_quantile(0.99)
+        latency = "" if p99 is None else f", P99 {p99:.2f}s"
+        return f" ({window.requests:.0f} requests, {window.error_rate:.2%} errors{latency})"
 
     @staticmethod
     def _window_fields(window: MetricsSnapshot | None) -> dict[str, float | None]:

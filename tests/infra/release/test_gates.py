@@ -144,3 +144,11 @@ def test_reads_the_real_servers_exposition() -> None:
     assert snap.latency_count == 100
     assert snap.latency_quantile(0.5) == pytest.approx(0.4, abs=0.11)
     assert 20 < (snap.latency_quantile(0.99) or 0) <= 40
+
+
+def test_progress_lines_while_watching(tmp_path: Path) -> None:
+    lines: list[str] = []
+    gate = watcher(tmp_path, None, Pages(page(0, 0), page(100, 1)))
+    gate._say, gate._say_every_s = lines.append, 1.0
+    assert gate.observe("green", 10, 5) is None
+    assert lines and lines[0].startswith("  green 10%: gates ok (101 requests, 0.99% errors, P99 ")
