@@ -73,13 +73,16 @@ def test_missing_key_is_401(server: Any) -> None:
         response = client.post(CHAT, json={"model": "tiny", "messages": MSG})
     assert response.status_code == 401
     assert response.json()["error"]["code"] == "missing_api_key"
+    assert httpx.get(f"{server.base_url}/ready").status_code == 200
 
 
 def test_wrong_key_is_401_and_the_key_is_not_echoed(server: Any) -> None:
     with server.client(key="not-a-valid-key-123456") as client:
         response = client.get("/v1/models")
     assert response.status_code == 401
+    assert response.json()["error"]["code"] == "invalid_api_key"
     assert "not-a-valid-key" not in response.text
+    assert httpx.get(f"{server.base_url}/ready").status_code == 200
 
 
 def test_health_and_ready_need_no_key(server: Any) -> None:
@@ -100,6 +103,7 @@ def test_per_key_rate_limit_is_429_with_retry_after(server: Any, api_keys: dict[
     assert response.json()["error"]["type"] == "rate_limit_error"
     with server.client(key=api_keys["bob"]) as other:  # other keys are not affected
         assert other.get("/v1/models").status_code == 200
+        assert other.get("/ready").status_code == 200
 
 
 def test_access_log_has_one_line_per_request_with_key_id_never_the_key(server: Any, api_keys: dict[str, str]) -> None:
