@@ -56,31 +56,20 @@ def test_metrics_export_every_series_an_alert_reads(exported: set[str], alert_se
     assert series in exported, f"alert {rule} reads {series}, which /metrics does not export"
 
 
-def _alarms(stack_name: str) -> list[dict[str, Any]]:
-    import boto3
-
-    from infra.config import load_stack
-
-    region = load_stack(stack_name).providers.get("aws:region")
-    client = boto3.client("cloudwatch", region_name=region)
-    alarms: list[dict[str, Any]] = []
-    for page in client.get_paginator("describe_alarms").paginate(AlarmNamePrefix="Specdeploy"):
-        alarms += page["MetricAlarms"]
-    return alarms
-
-
 def test_every_alarm_links_its_runbook(stack: Any, options: Any) -> None:
     if stack.platform != "aws":
         pytest.skip(f"{stack.platform} stack: no CloudWatch alarms (PrometheusRule annotations carry runbook_url)")
     from infra.alerts import alert_rules
+    from infra.config import load_stack
+    from infra.validation.cloud import alarm_name, stack_alarms
 
-    alarms = {a["AlarmName"]: a for a in _alarms(options.stack)}
+    alarms = stack_alarms(options.stack, load_stack(options.stack).providers.get("aws:region"))
     base = stack.alerting.runbook_base_url
-    missing = []
+    unlinked = []
     for rule in alert_rules(stack):
-        alarm = next((a for name, a in alarms.items() if name.endswith(rule.name)), None)
+        alarm = alarms.get(alarm_name(options.stack, rule))
         if alarm is None or rule.runbook_url(base) not in alarm.get("AlarmDescription", ""):
-            missing.append(rule.name)
+            unlinked.append(rule.name)
         elif not (REPO_ROOT / "runbooks" / f"{rule.name}.md").is_file():
-            missing.append(f"{rule.name} (runbooks/{rule.name}.md absent)")
-    assert not missing, f"alarms without a runbook link: {missing}"
+            unlinked.append(f"{rule.name} (runbooks/{rule.name}.md absent)")
+    assert not unlinked, f"alarms without a runbook link: {unlinked}"

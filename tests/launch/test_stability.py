@@ -52,15 +52,13 @@ def test_server_is_healthy_after_sustained_load(sustained: Any, endpoint: str) -
 def test_cloud_alarms_exist_and_are_ok(stack: Any, options: Any) -> None:
     if stack.platform != "aws":
         pytest.skip(f"{stack.platform} stack: no CloudWatch alarms to check")
-    import boto3
-
     from infra.alerts import alert_rules
     from infra.config import load_stack
+    from infra.validation.cloud import alarm_name, stack_alarms
 
-    region = load_stack(options.stack).providers.get("aws:region")
-    pages = boto3.client("cloudwatch", region_name=region).get_paginator("describe_alarms").paginate()
-    alarms = {a["AlarmName"]: a for page in pages for a in page["MetricAlarms"]}
-    for rule in alert_rules(stack):
-        match = [a for name, a in alarms.items() if name.endswith(rule.name)]
-        assert match, f"alarm {rule.name} does not exist"
-        assert all(a["StateValue"] == "OK" for a in match), f"alarm {rule.name} is {match[0]['StateValue']}"
+    alarms = stack_alarms(options.stack, load_stack(options.stack).providers.get("aws:region"))
+    names = [alarm_name(options.stack, rule) for rule in alert_rules(stack)]
+    missing = [name for name in names if name not in alarms]
+    assert not missing, f"alarms missing: {missing}"
+    firing = {name: alarms[name]["StateValue"] for name in names if alarms[name]["StateValue"] != "OK"}
+    assert not firing, f"alarms not OK: {firing}"
