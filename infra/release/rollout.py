@@ -105,10 +105,10 @@ def _rollout(release: Release, to: str, steps: Sequence[int], observe_s: float, 
             outcome = validator(release.stack, endpoints[0], report_dir)
             log.write("validation", slot=target, endpoint=endpoints[0], passed=outcome.passed,
                       summary=outcome.summary, report=outcome.report)
+            report = f" (report: {outcome.report})" if outcome.report else ""
             if not outcome.passed:
-                return _refuse(release, state, f"launch validation failed on {target}: {outcome.summary}"
-                               + (f" (report: {outcome.report})" if outcome.report else ""))
-            say(f"launch validation passed: {outcome.summary}")
+                return _refuse(release, state, f"launch validation failed on {target}: {outcome.summary}{report}")
+            say(f"launch validation passed: {outcome.summary}{report}")
         state.validated = True
         state.phase = "shifting"
         release.store.save(state)
