@@ -24,7 +24,14 @@ def read_model_args(model_dir: str | Path) -> ModelArgs:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: a model directory needs config.json")
-    return ModelArgs.from_hf_config(json.loads(path.read_text()))
+    args = ModelArgs.from_hf_config(json.loads(path.read_text()))
+    generation = Path(model_dir) / "generation_config.json"
+    if generation.is_file():  # chat models often list extra end tokens (e.g. end-of-turn) only here
+        eos = json.loads(generation.read_text()).get("eos_token_id")
+        for token in [eos] if isinstance(eos, int) else list(eos or []):
+            if token not in args.eos_token_ids:
+                args.eos_token_ids.append(int(token))
+    return args
 
 
 def resolve_dtype(name: str, args: ModelArgs, device: torch.device) -> torch.dtype:

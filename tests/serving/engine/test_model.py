@@ -104,3 +104,9 @@ def test_half_precision_logits_track_transformers_in_the_same_dtype(
     with torch.no_grad():
         want = ref(torch.tensor(prompt)).logits[0].float()
     assert (got - want).abs().max().item() < tol  # a few ulps at logits of magnitude ~3
+
+
+def test_eos_ids_from_generation_config_are_added(kit: Any, tmp_path: Path) -> None:
+    model_dir = kit.save_tiny_model(tmp_path, "llama", eos_token_id=3)
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 7]}))
+    assert read_model_args(model_dir).eos_token_ids == [3, 7]
