@@ -125,9 +125,35 @@ class GenerationRun:
         self.prompt_tokens = len(request.prompt_token_ids)
         self.completion_tokens = 0
         self.finish_reason: str | None = None
+        self._primed: tuple[AsyncIterator[RequestOutput], RequestOutput] | None = None
         log_fields["prompt_tokens"] = self.prompt_tokens
 
+    async def prime(self) -> None:
+        """Wait for the first output, so a stream's status code can still say 429/503/504 (the
+        headers go out only after this)."""
+        stream = self._generate()
+        self._primed = (stream, await anext(stream))
+
+    async def close(self) -> None:
+        """Release a primed stream that was never consumed (its client left before the first byte)."""
+        if self._primed is not None:
+            await _close(self._primed[0])
+
     async def outputs(self) -> AsyncIterator[RequestOutput]:
+        if self._primed is None:
+            async for output in self._generate():
+                yield output
+            return
+        stream, first = self._primed
+        try:
+            yield first
+            if not first.finished:
+                async for output in stream:
+                    yield output
+        finally:
+            await _close(stream)
+
+    async def _generate(self) -> AsyncIterator[RequestOutput]:
         timeout = self.state.settings.config.scheduler.request_timeout_s
         deadline = self.received_at + timeout
         metrics = self.state.metrics

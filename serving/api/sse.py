@@ -8,7 +8,7 @@ generation's cleanup (engine abort, KV blocks freed) runs immediately.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from starlette.responses import Response
@@ -26,8 +26,10 @@ def sse_event(payload: dict[str, Any]) -> bytes:
 class EventStreamResponse(Response):
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> None:
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]] | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         self.events = events
+        self.on_close = on_close
         self.status_code = 200
         self.background = None
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})})
@@ -47,3 +49,5 @@ class EventStreamResponse(Response):
             aclose = getattr(self.events, "aclose", None)
             if aclose is not None:
                 await aclose()
+            if self.on_close is not None:
+                await self.on_close()

@@ -70,10 +70,12 @@ async def collect(run: GenerationRun) -> Collected:
 
 async def respond(request: Request, run: GenerationRun, stream: AsyncIterator[dict[str, Any]] | None,
                   whole: Callable[[Collected], dict[str, Any]]) -> Response:
-    """SSE when ``stream`` is given; else wait for the whole output (aborted if the client leaves)."""
-    if stream is not None:
-        return EventStreamResponse(sse_events(run, stream))
+    """SSE when ``stream`` is given (headers only once the first token is there); else wait for the
+    whole output. Either way the generation is aborted if the client leaves."""
     try:
+        if stream is not None:
+            await until_disconnect(request.receive, run.prime())
+            return EventStreamResponse(sse_events(run, stream), on_close=run.close)
         result = await until_disconnect(request.receive, collect(run))
     except ClientGone:
         return Response(status_code=STATUS_CLIENT_CLOSED)

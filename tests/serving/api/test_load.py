@@ -151,3 +151,34 @@ def test_sigterm_finishes_in_flight_refuses_new_work_and_exits_zero(
     assert ready_status == 503
     assert finished == [("length", True), ("length", True)]
     assert capacity_server.proc.wait(timeout=30) == 0
+
+
+def test_streams_past_their_deadline_end_with_a_timeout_and_none_hangs(
+    small_server: Any, api_keys: dict[str, str]
+) -> None:
+    """small_server: 1 s timeout, 4 running + 4 queued. Streams that got tokens end with an error event
+    (no [DONE]); those that never got a token are refused with a plain 504 (the headers wait for the
+    first token); everything is over within seconds and the KV cache is empty afterwards."""
+    body = {"model": "tiny", "prompt": "stream", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+
+    async def one(client: httpx.AsyncClient) -> tuple[int, str]:
+        async with client.stream("POST", COMPLETIONS, json=body) as response:
+            text = "".join([line + "\n" async for line in response.aiter_lines()])
+            return response.status_code, text
+
+    async def main() -> list[tuple[int, str]]:
+        async with _client(small_server, api_keys, timeout=30) as client:
+            return list(await asyncio.gather(*(one(client) for _ in range(8))))
+
+    started = time.monotonic()
+    results = asyncio.run(main())
+    assert time.monotonic() - started < 15
+    for status, text in results:
+        if status == 200:
+            assert '"code":"request_timeout"' in text and "[DONE]" not in text
+        else:
+            assert status in (429, 504), (status, text)
+            assert json.loads(text)["error"]["code"] in ("request_timeout", "queue_full")
+    assert any(status == 200 for status, _ in results)
+    assert small_server.metric("specdeploy_kv_blocks_used") == 0
+    assert small_server.metric("specdeploy_requests_running") == 0
