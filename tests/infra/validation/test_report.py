@@ -11,7 +11,7 @@ import pytest
 from infra.validation.abtest import ABResult, ArmResult, DecisionRule
 from infra.validation.loadgen import MetricsPoint, Phase, RequestRecord, SloTargets
 from infra.validation.record import CheckOutcome, LaunchRun, slo_figures
-from infra.validation.report import render_html, render_markdown, write_report
+from infra.validation.report import render_markdown, write_report
 
 SLO = {"ttft_p99_ms": 2000, "tpot_p99_ms": 200, "e2e_p99_s": 30, "min_tokens_per_s": 0, "max_error_rate": 0.0,
        "target_concurrency": 4, "memory_slope_mb_per_min": 5.0}
@@ -44,8 +44,14 @@ def _run() -> LaunchRun:
 
 
 @pytest.fixture(scope="module")
-def html() -> str:
-    return render_html(_run())
+def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One rendered report for the module (matplotlib takes seconds per plot on a busy machine)."""
+    return write_report(_run(), tmp_path_factory.mktemp("report"))
+
+
+@pytest.fixture(scope="module")
+def html(written: dict[str, Path]) -> str:
+    return written["html"].read_text()
 
 
 def test_html_is_self_contained_with_every_plot_embedded(html: str) -> None:
@@ -68,8 +74,8 @@ def test_markdown_summary_lists_decisions_and_recommendation() -> None:
     assert "Recommended: `speculative.enabled:" in text and "/r/report.html" in text
 
 
-def test_write_report_writes_json_markdown_and_html(tmp_path: Path) -> None:
-    paths = write_report(_run(), tmp_path)
+def test_write_report_writes_json_markdown_and_html(written: dict[str, Path]) -> None:
+    paths = written
     data = json.loads(paths["json"].read_text())
     assert data["passed"] and data["counts"] == {"passed": 1, "failed": 0, "skipped": 1}
     assert data["speculative_ab"]["cells"][0]["decision"]["reason"]
@@ -93,11 +99,11 @@ def _chromium() -> str | None:
 
 
 @pytest.mark.slow
-def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
+def test_report_renders_in_headless_chromium(written: dict[str, Path], tmp_path: Path) -> None:
     browser = _chromium()
     if browser is None:
         pytest.skip("no chromium here (apt-get install -y chromium); the command is in infra/validation/report.py")
-    paths = write_report(_run(), tmp_path)
+    paths = written
     shot = tmp_path / "report.png"
     subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1280,3000",
                     f"--screenshot={shot}", paths["html"].as_uri()], check=True, capture_output=True, timeout=120)
