@@ -16,6 +16,9 @@ import torch
 
 # A sequence joins a group while padding keeps the group's work within this factor of the real work.
 _GROUP_PADDING_SLACK = 1.3
+# ...and while the group's gathered keys stay small: a group's K/V is gathered and then read right away by
+# attention, which is much faster while it still sits in the CPU cache (sequences x context, in tokens).
+MAX_GROUP_KEYS = 2048
 
 
 @dataclass
@@ -64,8 +67,9 @@ def group_sequences(q_lens: list[int], ctx_lens: list[int]) -> list[list[int]]:
         if current:
             new_real = real + q_lens[i] * ctx_lens[i]
             # queries are sorted longest first, so max_q stays; the context may grow
-            new_padded = (len(current) + 1) * padded_q * max(padded_ctx, ctx_lens[i])
-            if new_padded <= _GROUP_PADDING_SLACK * new_real + 64 * padded_q:
+            new_keys = (len(current) + 1) * max(padded_ctx, ctx_lens[i])
+            new_padded = new_keys * padded_q
+            if new_padded <= _GROUP_PADDING_SLACK * new_real + 64 * padded_q and new_keys <= MAX_GROUP_KEYS:
                 current.append(i)
                 real, padded_ctx = new_real, max(padded_ctx, ctx_lens[i])
                 continue
