@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 # Default test run: everything except the long soak and GPU-only tests.
 PYTEST_ARGS ?= -m "not soak and not gpu"
 
-.PHONY: demo test lint soak gpu-test bench clean
+.PHONY: demo test lint soak gpu-test gpu-check clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ soak: $(STAMP)
 
 gpu-test: $(STAMP)
 	$(BIN)/pytest -m gpu
+
+# On a GPU host: batch-1 decode tokens/s of a random ~1B Llama vs HBM bandwidth / weight bytes.
+gpu-check: $(STAMP)
+	$(BIN)/python -m serving.engine.bandwidth
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .specdeploy
