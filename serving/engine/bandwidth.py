@@ -48,7 +48,8 @@ def build_random_model(directory: Path) -> int:
 
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = LlamaForCausalLM(LlamaConfig(**ONE_B, tie_word_embeddings=False)).to(torch.bfloat16)
+        model = LlamaForCausalLM(LlamaConfig(**ONE_B, tie_word_embeddings=False))
+        model = model.bfloat16()
     model.save_pretrained(directory)
     count = sum(p.numel() for p in model.parameters())
     del model
