@@ -311,12 +311,6 @@ def server_pids_before_load(server_pids: Any) -> dict[str, int | None]:
 # --- load: each measured once per session ----------------------------------------------------------
 
 
-def _generator(endpoint: str, api_key: str | None, profile: Profile) -> Any:
-    from infra.validation.loadgen import LoadGenerator
-
-    return LoadGenerator(endpoint, api_key, sample_interval_s=profile.sample_interval_s)
-
-
 @pytest.fixture(scope="session")
 def workloads(profile: Profile) -> list[Any]:
     from infra.validation.loadgen import load_workloads
@@ -328,80 +322,45 @@ def workloads(profile: Profile) -> list[Any]:
 def sweep(launch_run: LaunchRun, endpoint: str, api_key: str | None, profile: Profile, stack: Any,
           workloads: list[Any], server_pids_before_load: dict[str, int | None]) -> dict[int, Any]:
     """Closed-loop phases at each concurrency level of the profile, all prompt sets mixed."""
-    from infra.validation.loadgen import run
+    from infra.validation import phases
 
     levels = profile.levels(profile.sweep_concurrency, stack.scheduler.max_concurrency, stack.slo.target_concurrency)
-
-    async def measure() -> dict[int, Any]:
-        phases = {}
-        async with _generator(endpoint, api_key, profile) as gen:
-            await gen.closed_loop("warm-up", workloads, 1, num_requests=2)
-            for level in levels:
-                phases[level] = await gen.closed_loop(
-                    f"sweep c={level}", workloads, level,
-                    num_requests=max(profile.sweep_min_requests, level * profile.sweep_requests_per_worker))
-        return phases
-
-    phases: dict[int, Any] = run(measure())
-    launch_run.sweep = list(phases.values())
-    return phases
+    measured = phases.sweep(endpoint, api_key, profile, levels, workloads)
+    launch_run.sweep = list(measured.values())
+    return measured
 
 
 @pytest.fixture(scope="session")
 def open_loop(launch_run: LaunchRun, sweep: dict[int, Any], endpoint: str, api_key: str | None, profile: Profile,
               workloads: list[Any]) -> Any:
     """Poisson arrivals at 80 % of the request rate the sweep measured at target concurrency."""
-    from infra.validation.loadgen import run
+    from infra.validation import phases
 
-    target = launch_run.target_concurrency
-    capacity = sweep[target].summary()["request_throughput_rps"]
-    rate = max(0.05, 0.8 * capacity)
-
-    async def measure() -> Any:
-        async with _generator(endpoint, api_key, profile) as gen:
-            return await gen.open_loop(f"open loop {rate:.2f} req/s", workloads, rate, profile.open_loop_s)
-
-    phase = run(measure())
-    launch_run.open_loop = phase
-    return phase
+    capacity = sweep[launch_run.target_concurrency].summary()["request_throughput_rps"]
+    launch_run.open_loop = phases.open_loop(endpoint, api_key, profile, capacity, workloads)
+    return launch_run.open_loop
 
 
 @pytest.fixture(scope="session")
 def sustained(launch_run: LaunchRun, endpoint: str, api_key: str | None, profile: Profile,
               workloads: list[Any], server_pids_before_load: dict[str, int | None]) -> Any:
     """Closed loop at the SLO's target concurrency for the profile's sustained duration."""
-    from infra.validation.loadgen import run
+    from infra.validation import phases
 
-    target = launch_run.target_concurrency
-
-    async def measure() -> Any:
-        async with _generator(endpoint, api_key, profile) as gen:
-            return await gen.closed_loop(f"sustained c={target} {profile.sustained_s / 60:.1f} min", workloads,
-                                         target, duration_s=profile.sustained_s)
-
-    phase = run(measure())
-    launch_run.sustained = phase
-    return phase
-
-
-def _spec_enabled(endpoint: str, api_key: str | None) -> bool:
-    """A server exports the speculation counters only when speculation is on."""
-    from infra.validation import prom
-    from serving import metric_names
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    text = httpx.get(f"{endpoint}/metrics", headers=headers, timeout=30).text
-    return f"{metric_names.SPEC_DRAFTS}_total" in prom.series_names(text)
+    launch_run.sustained = phases.sustained(endpoint, api_key, profile, launch_run.target_concurrency, workloads)
+    return launch_run.sustained
 
 
 @pytest.fixture(scope="session")
 def ab_arms(options: LaunchOptions, endpoint: str, api_key: str | None, stack: Any, server_port: int,
             launch_run: LaunchRun, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, str]]:
     """(spec-on endpoint, spec-off endpoint, how they were obtained) for the A/B."""
-    deployed_on = _spec_enabled(endpoint, api_key)
+    from infra.validation.phases import is_speculating
+
+    deployed_on = is_speculating(endpoint, api_key)
     if options.ab_endpoint:
         other = options.ab_endpoint.rstrip("/")
-        if _spec_enabled(other, api_key) == deployed_on:
+        if is_speculating(other, api_key) == deployed_on:
             pytest.fail(f"--ab-endpoint {other} has speculation {'on' if deployed_on else 'off'} like --endpoint")
         method = "two servers given on the command line (--endpoint, --ab-endpoint), same build and weights"
         yield (endpoint, other, method) if deployed_on else (other, endpoint, method)
@@ -437,21 +396,11 @@ def ab_arms(options: LaunchOptions, endpoint: str, api_key: str | None, stack: A
 @pytest.fixture(scope="session")
 def ab_result(launch_run: LaunchRun, ab_arms: tuple[str, str, str], api_key: str | None, profile: Profile,
               stack: Any) -> Any:
-    from infra.validation.abtest import run_ab
-    from infra.validation.loadgen import load_workloads, run
+    from infra.validation.phases import speculative_ab
 
     on_url, off_url, method = ab_arms
     levels = profile.levels(profile.ab_concurrency, stack.scheduler.max_concurrency, stack.slo.target_concurrency)
-    by_set = {ps: load_workloads([ps], profile.max_tokens) for ps in profile.ab_prompt_sets}
-
-    async def measure() -> Any:
-        async with _generator(on_url, api_key, profile) as on, _generator(off_url, api_key, profile) as off:
-            for gen in (on, off):  # warm both arms before anything is timed
-                await gen.closed_loop("A/B warm-up", by_set[profile.ab_prompt_sets[0]], 1, num_requests=2)
-            return await run_ab(on, off, by_set, levels, profile.ab_repeats, profile.ab_requests_per_worker,
-                                min_requests=profile.ab_min_requests, method=method)
-
-    result = run(measure())
+    result = speculative_ab(on_url, off_url, api_key, profile, levels, method)
     launch_run.ab = result
     launch_run.recommendation = result.recommendation(launch_run.target_concurrency)
     return result
