@@ -14,6 +14,7 @@ from infra.validation.profiles import Profile
 from serving import metric_names
 
 OPEN_LOOP_LOAD = 0.8  # Poisson rate as a share of the request rate measured at target concurrency
+MIN_ARRIVALS = 8  # expected requests of the Poisson phase
 
 
 def _generator(endpoint: str, api_key: str | None, profile: Profile) -> LoadGenerator:
@@ -41,10 +42,12 @@ def open_loop(endpoint: str, api_key: str | None, profile: Profile, capacity_rps
               workloads: list[Workload]) -> Phase:
     """Poisson arrivals below the measured capacity: queueing shows up as TTFT, not as a slower client."""
     rate = max(0.05, OPEN_LOOP_LOAD * capacity_rps)
+    # A slow deployment gets longer, up to three times the profile's duration, to expect MIN_ARRIVALS requests.
+    duration = max(profile.open_loop_s, min(MIN_ARRIVALS / rate, 3 * profile.open_loop_s))
 
     async def measure() -> Phase:
         async with _generator(endpoint, api_key, profile) as gen:
-            return await gen.open_loop(f"open loop {rate:.2f} req/s", workloads, rate, profile.open_loop_s)
+            return await gen.open_loop(f"open loop {rate:.2f} req/s", workloads, rate, duration)
 
     phase: Phase = run(measure())
     return phase
