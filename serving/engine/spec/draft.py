@@ -34,7 +34,7 @@ class DraftMismatchError(ValueError):
 class Drafts:
     tokens: dict[str, list[int]]  # req_id -> proposed tokens
     probs: dict[str, torch.Tensor]  # req_id -> q [k, vocab] for sampled requests (greedy ones: one-hot, absent)
-    forward_seconds: list[tuple[int, float]]  # (sequences in the forward, seconds) per draft forward
+    forward_seconds: list[tuple[int, float]]  # (tokens in the forward, seconds) per draft forward
 
 
 def check_same_tokenizer(target_dir: Path, draft_dir: Path, target: ModelArgs, draft: ModelArgs) -> None:
@@ -79,6 +79,10 @@ class DraftModelProposer:
         check_same_tokenizer(target_dir, draft_dir, target_args, read_model_args(draft_dir))
         return cls(load_model(draft_dir, dtype, device, max_model_len), num_blocks, block_size)
 
+    def lag(self, req: Request) -> int:
+        """Tokens the draft must run for this sequence before it can draft (1 when it is up to date)."""
+        return req.num_tokens - min(self.computed.get(req.request_id, 0), req.num_tokens - 1)
+
     def release(self, req_id: str) -> None:
         self.blocks.free(req_id)
         self.computed.pop(req_id, None)
@@ -105,8 +109,8 @@ class DraftModelProposer:
         # first forward: catch up on the tokens the draft has not seen, draft one token from the last
         seqs = []
         for req in active:
-            start = min(self.computed.get(req.request_id, 0), req.num_tokens - 1)
-            tokens = req.all_token_ids[start:]
+            tokens = req.all_token_ids[req.num_tokens - self.lag(req) :]
+            start = req.num_tokens - len(tokens)
             seqs.append(SequenceInput(tokens, start, self.blocks.block_table(req.request_id), [len(tokens) - 1]))
             self.computed[req.request_id] = req.num_tokens
         self._draft_step(active, seqs, drafts, probs)
@@ -142,4 +146,4 @@ class DraftModelProposer:
                     probs[r.request_id].append(q[i])
         for r, t in zip(reqs, tokens, strict=True):
             drafts.tokens.setdefault(r.request_id, []).append(int(t))
-        drafts.forward_seconds.append((len(reqs), time.perf_counter() - started))
+        drafts.forward_seconds.append((batch.num_tokens, time.perf_counter() - started))

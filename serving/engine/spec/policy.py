@@ -1,7 +1,7 @@
 """How many draft tokens each sequence verifies this step: chosen for goodput, 0 included.
 
 Costs are measured, not assumed: the target's step time is fitted online as a + b * tokens (a: per-step
-overhead, b: per-token work), the draft's as c + d * sequences per draft forward. Acceptance is tracked
+overhead, b: per-token work), the draft's as c + d * tokens per draft forward. Acceptance is tracked
 per request and globally (exponentially decayed). With per-token acceptance alpha, k drafts yield
 (1 - alpha^(k+1)) / (1 - alpha) tokens in expectation. For each candidate k the policy estimates
 
@@ -97,11 +97,14 @@ class SpeculationPolicy:
         # a request's own history, with the global rate as its prior
         return (own.accepted + self.global_acceptance.rate * own.prior_weight) / (own.tested + own.prior_weight)
 
-    def choose(self, candidates: dict[str, int], other_tokens: int, num_decodes: int) -> dict[str, int]:
+    def choose(
+        self, candidates: dict[str, int], other_tokens: int, num_decodes: int, catch_up_tokens: int = 0
+    ) -> dict[str, int]:
         """k per candidate request (capped by candidates[req_id]); 0 means do not speculate.
 
         other_tokens: tokens of the step that are not decode/verify tokens (prefill chunks);
-        num_decodes: sequences decoding this step (candidates included).
+        num_decodes: sequences decoding this step (candidates included);
+        catch_up_tokens: tokens the draft must run before it can draft (its cache lags behind).
         """
         if not candidates:
             return {}
@@ -116,7 +119,9 @@ class SpeculationPolicy:
             tokens = num_decodes - len(candidates) + sum(expected_tokens(alphas[r], ks[r]) for r in candidates)
             seconds = self.target_cost(base_tokens + extra)
             if self.uses_draft_model:
-                seconds += k * self.draft_cost(len(candidates))
+                # one forward catching up and drafting, then k - 1 single-token forwards
+                seconds += self.draft_cost(max(catch_up_tokens, len(candidates)))
+                seconds += (k - 1) * self.draft_cost(len(candidates))
             rate = tokens / seconds
             if rate > best_rate * 1.01:  # a marginal gain is not worth the variance
                 best_k, best_rate = k, rate
@@ -125,8 +130,8 @@ class SpeculationPolicy:
     def observe_target_step(self, num_tokens: int, seconds: float) -> None:
         self.target_cost.observe(num_tokens, seconds)
 
-    def observe_draft_forward(self, num_seqs: int, seconds: float) -> None:
-        self.draft_cost.observe(num_seqs, seconds)
+    def observe_draft_forward(self, num_tokens: int, seconds: float) -> None:
+        self.draft_cost.observe(num_tokens, seconds)
 
     def observe_verification(self, req_id: str, accepted: int, drafted: int) -> None:
         self.global_acceptance.observe(accepted, drafted)

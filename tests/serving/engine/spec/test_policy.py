@@ -8,8 +8,8 @@ def trained_policy(accepted_of_4: int = 1) -> SpeculationPolicy:
     policy = SpeculationPolicy(max_k=4, uses_draft_model=True)
     for tokens in (1, 2, 5, 8, 16, 32, 64, 128):
         policy.observe_target_step(tokens, 0.010 + 0.0005 * tokens)
-    for seqs in (1, 2, 4, 8, 16, 32):
-        policy.observe_draft_forward(seqs, 0.001 + 0.00002 * seqs)
+    for tokens in (1, 2, 4, 8, 16, 32, 128):
+        policy.observe_draft_forward(tokens, 0.001 + 0.00002 * tokens)
     for _ in range(20):
         policy.observe_verification("r", accepted_of_4, 4)
     return policy
@@ -50,3 +50,9 @@ def test_expected_tokens() -> None:
     assert expected_tokens(0.0, 4) == 1.0
     assert expected_tokens(1.0, 4) == 5.0
     assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-9
+
+
+def test_a_long_draft_catch_up_is_part_of_the_cost() -> None:
+    policy = trained_policy(accepted_of_4=2)
+    assert policy.choose({"r": 4}, 0, 1, catch_up_tokens=1)["r"] > 0
+    assert policy.choose({"r": 4}, 0, 1, catch_up_tokens=5000)["r"] == 0  # 100 ms of draft prefill
