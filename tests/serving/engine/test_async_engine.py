@@ -7,16 +7,19 @@ from typing import Any
 import pytest
 
 from serving.engine.async_engine import AsyncEngine
+from serving.engine.config import SpeculativeConfig
 from serving.engine.types import EngineDeadError, GenerationRequest, RequestRejected, SamplingParams
 
 
-def test_concurrent_streams_match_the_sync_engine(kit: Any, llama_dir: Path) -> None:
-    prompts = kit.random_prompts([7, 19, 33, 4])
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "ngram-spec"])
+def test_concurrent_streams_match_the_sync_engine(kit: Any, llama_dir: Path, speculative: bool) -> None:
+    prompts = [p + p for p in kit.random_prompts([7, 19, 33, 4])]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     expected = kit.run_to_completion(kit.make_engine(llama_dir), prompts, [params] * 4)
+    spec = SpeculativeConfig(enabled=speculative, method="ngram", adaptive=False)
 
     async def main() -> list[list[int]]:
-        engine = AsyncEngine(kit.make_engine(llama_dir))
+        engine = AsyncEngine(kit.make_engine(llama_dir, speculative=spec))
         await engine.start()
 
         async def one(i: int) -> list[int]:
@@ -30,6 +33,7 @@ def test_concurrent_streams_match_the_sync_engine(kit: Any, llama_dir: Path) -> 
         results = await asyncio.gather(*(one(i) for i in range(4)))
         stats = engine.stats()
         assert stats.kv_blocks_used == 0 and stats.generation_tokens_total == 80
+        assert (stats.spec.num_draft_tokens > 0) == speculative
         assert engine.healthy
         await engine.stop()
         assert not engine.healthy
