@@ -58,13 +58,16 @@ def register(subparsers: Any) -> None:
 
 def _validate(args: argparse.Namespace) -> int:
     from infra.validation import run_validation
+    from infra.validation.runner import default_endpoint
 
     extra = ["--ab-endpoint", args.ab_endpoint] if args.ab_endpoint else []
     hosts = [h for h in args.hosts.split(",") if h] if args.hosts else None
     try:
-        result = run_validation(args.endpoint, args.stack, args.profile, args.report, hosts=hosts, extra_args=extra)
+        endpoint = args.endpoint or default_endpoint(args.stack)
     except ValueError as exc:
         raise CommandError(str(exc)) from exc
+    _check_reachable(endpoint, args.stack)
+    result = run_validation(endpoint, args.stack, args.profile, args.report, hosts=hosts, extra_args=extra)
     out = sys.stdout
     if not result.summary:
         raise CommandError(f"the launch suite did not write a report (pytest exit code {result.exit_code})")
@@ -79,6 +82,22 @@ def _validate(args: argparse.Namespace) -> int:
             out.write(f"  {d['prompt_set']:>10} c={d['concurrency']:<3} {d['verdict']:<7} {d['reason']}\n")
     out.write(f"report: {result.report_html}\nsummary: {result.report_markdown}\n")
     return 0 if result.passed else 1
+
+
+def _check_reachable(endpoint: str, stack: str) -> None:
+    import httpx
+
+    try:
+        httpx.get(f"{endpoint.rstrip('/')}/health", timeout=10)
+    except httpx.HTTPError as exc:
+        hint = f"; start it with `specdeploy up --stack {stack}`" if _is_local(stack) else ""
+        raise CommandError(f"nothing answers at {endpoint} ({type(exc).__name__}){hint}") from exc
+
+
+def _is_local(stack: str) -> bool:
+    from infra.config import load_stack
+
+    return load_stack(stack).config.platform == "local"
 
 
 def _loadgen(args: argparse.Namespace) -> int:

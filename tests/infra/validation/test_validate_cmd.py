@@ -34,3 +34,8 @@ def test_loadgen_open_loop_needs_a_duration(capsys: pytest.CaptureFixture[str]) 
 def test_validate_refuses_an_unknown_stack(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["validate", "--stack", "nope"]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_validate_says_when_nothing_answers(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", "--stack", "local", "--endpoint", "http://127.0.0.1:9"]) == 2
+    assert "nothing answers at http://127.0.0.1:9" in capsys.readouterr().err
