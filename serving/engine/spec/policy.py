@@ -98,34 +98,58 @@ class SpeculationPolicy:
         return (own.accepted + self.global_acceptance.rate * own.prior_weight) / (own.tested + own.prior_weight)
 
     def choose(
-        self, candidates: dict[str, int], other_tokens: int, num_decodes: int, catch_up_tokens: int = 0
+        self,
+        candidates: dict[str, int],
+        other_tokens: int,
+        num_decodes: int,
+        catch_up: dict[str, int] | None = None,
     ) -> dict[str, int]:
-        """k per candidate request (capped by candidates[req_id]); 0 means do not speculate.
+        """k per candidate request (at most candidates[req_id]); 0 means it does not speculate this step.
 
         other_tokens: tokens of the step that are not decode/verify tokens (prefill chunks);
         num_decodes: sequences decoding this step (candidates included);
-        catch_up_tokens: tokens the draft must run before it can draft (its cache lags behind).
+        catch_up: req_id -> tokens the draft must run before it can draft for it (1 when up to date).
+
+        Greedy by draft position: position j is given to the m requests most likely to accept it, with m
+        (0 included) chosen to maximise expected tokens / expected seconds; position j + 1 is considered
+        only for requests that got j. A draft position costs one verify token in the target and, for a
+        draft model, a share of one more draft forward.
         """
         if not candidates:
             return {}
         if not self.adaptive:
             return {r: min(self.max_k, cap) for r, cap in candidates.items()}
         alphas = {r: self.acceptance(r) for r in candidates}
-        base_tokens = other_tokens + num_decodes
-        best_k, best_rate = 0, num_decodes / self.target_cost(base_tokens)
-        for k in range(1, self.max_k + 1):
-            ks = {r: min(k, cap) for r, cap in candidates.items()}
-            extra = sum(ks.values())
-            tokens = num_decodes - len(candidates) + sum(expected_tokens(alphas[r], ks[r]) for r in candidates)
-            seconds = self.target_cost(base_tokens + extra)
+        order = sorted(candidates, key=lambda r: -alphas[r])
+        ks = dict.fromkeys(candidates, 0)
+        tokens = float(num_decodes)  # expected tokens emitted this step
+        batch = other_tokens + num_decodes  # tokens in the target forward
+        draft_seconds = 0.0
+        for position in range(1, self.max_k + 1):
+            eligible = [r for r in order if ks[r] == position - 1 and candidates[r] >= position]
+            base_rate = tokens / (self.target_cost(batch) + draft_seconds)
+            best_m, best_rate = 0, base_rate
+            gain, fed = 0.0, 0
+            for m, r in enumerate(eligible, 1):
+                gain += alphas[r] ** position  # P(this position is reached and accepted)
+                fed += (catch_up or {}).get(r, 1) if position == 1 else 1
+                seconds = self.target_cost(batch + m) + draft_seconds
+                if self.uses_draft_model:
+                    seconds += self.draft_cost(fed)
+                rate = (tokens + gain) / seconds
+                if rate > best_rate:
+                    best_m, best_rate = m, rate
+            if best_m == 0 or best_rate < base_rate * 1.005:  # a vanishing gain is not worth the variance
+                break
+            chosen = eligible[:best_m]
+            for r in chosen:
+                ks[r] = position
+            tokens += sum(alphas[r] ** position for r in chosen)
+            batch += best_m
             if self.uses_draft_model:
-                # one forward catching up and drafting, then k - 1 single-token forwards
-                seconds += self.draft_cost(max(catch_up_tokens, len(candidates)))
-                seconds += (k - 1) * self.draft_cost(len(candidates))
-            rate = tokens / seconds
-            if rate > best_rate * 1.01:  # a marginal gain is not worth the variance
-                best_k, best_rate = k, rate
-        return {r: min(best_k, cap) for r, cap in candidates.items()}
+                fed = sum((catch_up or {}).get(r, 1) for r in chosen) if position == 1 else best_m
+                draft_seconds += self.draft_cost(fed)
+        return ks
 
     def observe_target_step(self, num_tokens: int, seconds: float) -> None:
         self.target_cost.observe(num_tokens, seconds)

@@ -62,7 +62,7 @@ class Speculator:
             for rid, drafts in proposals.items():
                 by_id[rid].spec_token_ids = drafts[: ks[rid]]
         else:
-            catch_up = sum(self.proposer.lag(by_id[rid]) for rid in candidates)
+            catch_up = {rid: self.proposer.lag(by_id[rid]) for rid in candidates}
             ks = self.policy.choose(candidates, other_tokens, len(decoding), catch_up)
             ks = {rid: k for rid, k in ks.items() if k > 0}
             proposed = self.proposer.propose([by_id[rid] for rid in ks], ks)

@@ -54,5 +54,13 @@ def test_expected_tokens() -> None:
 
 def test_a_long_draft_catch_up_is_part_of_the_cost() -> None:
     policy = trained_policy(accepted_of_4=2)
-    assert policy.choose({"r": 4}, 0, 1, catch_up_tokens=1)["r"] > 0
-    assert policy.choose({"r": 4}, 0, 1, catch_up_tokens=5000)["r"] == 0  # 100 ms of draft prefill
+    assert policy.choose({"r": 4}, 0, 1, catch_up={"r": 1})["r"] > 0
+    assert policy.choose({"r": 4}, 0, 1, catch_up={"r": 5000})["r"] == 0  # 100 ms of draft prefill
+
+
+def test_k_is_chosen_per_request_by_acceptance() -> None:
+    policy = trained_policy(accepted_of_4=4)
+    for _ in range(30):
+        policy.observe_verification("bad", 0, 4)
+    ks = policy.choose({"r": 4, "bad": 4}, 0, 2)
+    assert ks["r"] >= 2 and ks["bad"] < ks["r"]
