@@ -50,7 +50,6 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] flat cache slot (block * block_size + offset) each token's K/V goes to
     groups: list[AttentionGroup]
     logits_index: torch.Tensor  # [N] flat rows whose logits are computed, in request order
-    seq_order: list[int]  # flat layout order: seq_order[j] = index (in the caller's list) of the j-th sequence
 
     @property
     def num_tokens(self) -> int:
@@ -93,13 +92,11 @@ def build_forward_batch(
     slots: list[int] = []
     row_of: list[int] = [0] * len(seqs)  # first flat row of each sequence
     groups: list[AttentionGroup] = []
-    seq_order: list[int] = []
     for members in grouping:
         token_start = len(input_ids)
         for i in members:
             s = seqs[i]
             row_of[i] = len(input_ids)
-            seq_order.append(i)
             input_ids.extend(s.token_ids)
             pos = range(s.start_pos, s.start_pos + len(s.token_ids))
             positions.extend(pos)
@@ -117,7 +114,6 @@ def build_forward_batch(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         groups=groups,
         logits_index=torch.tensor(logits_rows, dtype=torch.long, device=device),
-        seq_order=seq_order,
     )
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from serving.engine.kv_cache import BlockManager
 from serving.engine.request import Request, RequestStatus
+from serving.engine.types import TokenLogprobs
 
 
 @dataclass
@@ -132,7 +133,7 @@ class Scheduler:
         self,
         out: SchedulerOutput,
         sampled: dict[str, list[int]],
-        logprobs: dict[str, list] | None = None,
+        logprobs: dict[str, list[TokenLogprobs]] | None = None,
     ) -> list[Request]:
         """Advance the scheduled requests by the step's result.
 
