@@ -61,6 +61,7 @@ class SpecBenchReport:
     throughput: list[ThroughputRun] = field(default_factory=list)
     ceiling: dict[str, float] = field(default_factory=dict)
     ratios: dict[str, float] = field(default_factory=dict)
+    counters: dict[str, dict[str, Any]] = field(default_factory=dict)  # proposer -> its engine's SpecStats, whole run
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -228,6 +229,10 @@ def run_spec_benchmark(
         report.throughput.append(ThroughputRun(c, t_off, t_draft, t_ngram, t_draft / t_off, t_ngram / t_off, hist))
         log.info("c=%d: off %.0f, draft %.0f, ngram %.0f tok/s", c, t_off, t_draft, t_ngram)
 
+    for name, engine in (("draft", on_draft), ("ngram", on_ngram)):
+        stats = engine.stats().spec
+        report.counters[name] = dict(asdict(stats), acceptance_rate=stats.acceptance_rate,
+                                     mean_accepted_length=stats.mean_accepted_length)
     proposer = on_draft.speculator.proposer if on_draft.speculator else None
     report.ceiling = measure_ceiling(off.model, getattr(proposer, "model", None), k)
     report.ratios = spec_ratios(report)
