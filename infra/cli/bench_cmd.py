@@ -147,6 +147,7 @@ def _print_spec_tables(report: Any) -> None:
     console.print(tp)
     for name, value in report.ratios.items():
         console.print(f"{name}: {value:.2f}")
+    console.print(f"greedy output identical with spec off / draft / n-gram: {report.greedy_identical}")
 
 
 def _print_table(report: Any, concurrencies: list[int]) -> None:

@@ -61,6 +61,7 @@ class SpecBenchReport:
     throughput: list[ThroughputRun] = field(default_factory=list)
     ceiling: dict[str, float] = field(default_factory=dict)
     ratios: dict[str, float] = field(default_factory=dict)
+    greedy_identical: bool | None = None  # c=1 outputs token-identical with spec off, draft and n-gram
     counters: dict[str, dict[str, Any]] = field(default_factory=dict)  # proposer -> its engine's SpecStats, whole run
 
     def to_dict(self) -> dict[str, Any]:
@@ -82,8 +83,10 @@ def make_engine(target: Path, spec: SpeculativeConfig, max_num_seqs: int, thread
     ))
 
 
-def run_sequential(engine: LLMEngine, system: str, prompts: list[list[int]], output_len: int) -> LatencyRun:
-    """c=1: one request at a time, end-to-end latency per request."""
+def run_sequential(
+    engine: LLMEngine, system: str, prompts: list[list[int]], output_len: int, outputs: list[list[int]] | None = None
+) -> LatencyRun:
+    """c=1: one request at a time, end-to-end latency per request (generated tokens appended to outputs)."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     latencies, tokens = [], 0
     before = engine.stats().spec
@@ -91,9 +94,14 @@ def run_sequential(engine: LLMEngine, system: str, prompts: list[list[int]], out
     for i, prompt in enumerate(prompts):
         start = time.perf_counter()
         engine.add_request(GenerationRequest(f"{system}-{i}", prompt, params))
+        generated: list[int] = []
         while engine.has_unfinished_requests():
-            tokens += sum(len(o.new_token_ids) for o in engine.step())
+            for out in engine.step():
+                generated += out.new_token_ids
         latencies.append(time.perf_counter() - start)
+        tokens += len(generated)
+        if outputs is not None:
+            outputs.append(generated)
     spec = engine.stats().spec
     d_drafted, d_accepted, d_rounds = (spec.num_draft_tokens - drafted, spec.num_accepted_tokens - accepted,
                                        spec.num_drafts - rounds)
@@ -195,9 +203,11 @@ def run_spec_benchmark(
 
     for engine in (off, on_draft, on_ngram):  # warm-up, and a first fit of the policy's cost model
         run_concurrent(engine, prompts, 2, 16)
-    report.c1.append(run_sequential(off, "spec_off", prompts, output_len))
-    report.c1.append(run_sequential(on_draft, "spec_draft", prompts, output_len))
-    report.c1.append(run_sequential(on_ngram, "spec_ngram", prompts, output_len))
+    outputs: dict[str, list[list[int]]] = {"off": [], "draft": [], "ngram": []}
+    report.c1.append(run_sequential(off, "spec_off", prompts, output_len, outputs["off"]))
+    report.c1.append(run_sequential(on_draft, "spec_draft", prompts, output_len, outputs["draft"]))
+    report.c1.append(run_sequential(on_ngram, "spec_ngram", prompts, output_len, outputs["ngram"]))
+    report.greedy_identical = outputs["off"] == outputs["draft"] == outputs["ngram"]
     for run in report.c1:
         log.info("c=1 %s: %.1f tok/s, p50 %.2fs", run.system, run.tokens_per_s, run.p50_latency_s)
 
