@@ -228,8 +228,11 @@ def _ab_section(run: LaunchRun) -> str:
     ]
     if run.recommendation:
         rec = run.recommendation
-        parts.append(f"<p><b>Recommended config:</b> <code>speculative.enabled: "
-                     f"{str(rec['enabled']).lower()}</code> — {html.escape(rec['reason'])}</p>")
+        parts.append(f"<p><b>Recommended:</b> speculation {'on' if rec['enabled'] else 'off'} — "
+                     f"{html.escape(rec['reason'])}.</p>")
+        if rec.get("config"):
+            lines = "".join(f"\n  {key}: {json.dumps(value)}" for key, value in rec["config"].items())
+            parts.append(f"<pre><code>specdeploy:speculative:{html.escape(lines)}</code></pre>")
     return "".join(parts)
 
 
@@ -315,8 +318,11 @@ def render_markdown(run: LaunchRun, report_dir: Path | None = None) -> str:
                   "|---|---|---|---|"]
         lines += [f"| {d.prompt_set} | {d.concurrency} | {d.verdict} | {d.reason} |" for d in run.ab.decisions()]
         if run.recommendation:
-            lines += ["", f"Recommended: `speculative.enabled: {str(run.recommendation['enabled']).lower()}` "
-                          f"({run.recommendation['reason']})."]
+            rec = run.recommendation
+            lines += ["", f"Recommended: `speculative.enabled: {str(rec['enabled']).lower()}` ({rec['reason']})."]
+            if rec.get("config"):
+                lines += ["", "```yaml", "specdeploy:speculative:"]
+                lines += [f"  {key}: {json.dumps(value)}" for key, value in rec["config"].items()] + ["```"]
     if report_dir is not None:
         lines += ["", f"Full report: {report_dir / REPORT_HTML}"]
     return "\n".join(lines) + "\n"

@@ -402,5 +402,8 @@ def ab_result(launch_run: LaunchRun, ab_arms: tuple[str, str, str], api_key: str
     levels = profile.levels(profile.ab_concurrency, stack.scheduler.max_concurrency, stack.slo.target_concurrency)
     result = speculative_ab(on_url, off_url, api_key, profile, levels, method)
     launch_run.ab = result
-    launch_run.recommendation = result.recommendation(launch_run.target_concurrency)
+    recommendation = result.recommendation(launch_run.target_concurrency)
+    # The stack's speculative section as it should read: only `enabled` is the A/B's to decide.
+    recommendation["config"] = {**stack.speculative.model_dump(), "enabled": recommendation["enabled"]}
+    launch_run.recommendation = recommendation
     return result

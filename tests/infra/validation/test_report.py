@@ -36,7 +36,7 @@ def _run() -> LaunchRun:
             off.phases = [_phase("b", c, 2.0 + r / 20) for r in range(4)]
             cells[(ps, c)] = (on, off)
     run.ab = ABResult(DecisionRule(), cells, method="two servers")
-    run.recommendation = run.ab.recommendation(4)
+    run.recommendation = {**run.ab.recommendation(4), "config": {"enabled": True, "method": "draft"}}
     run.checks = [CheckOutcome("tests/launch/test_functional.py::test_health_answers_ok", "functional", "passed", "",
                                0.1),
                   CheckOutcome("tests/launch/test_host.py::test_gpu[local]", "host", "skipped", "CPU host", 0.0)]
@@ -72,6 +72,7 @@ def test_markdown_summary_lists_decisions_and_recommendation() -> None:
     text = render_markdown(_run(), Path("/r"))
     assert "| code | 1 | enable |" in text and "| writing | 8 | disable |" in text
     assert "Recommended: `speculative.enabled:" in text and "/r/report.html" in text
+    assert "specdeploy:speculative:\n  enabled: true\n  method: \"draft\"" in text
 
 
 def test_write_report_writes_json_markdown_and_html(written: dict[str, Path]) -> None:
