@@ -93,3 +93,18 @@ def process_environ(host: Any, pid: int) -> dict[str, str]:
     pairs = (p.decode("utf-8", "replace").partition("=") for p in host.file(f"/proc/{pid}/environ").content.split(b"\0")
              if p)
     return {key: value for key, _, value in pairs}
+
+
+_SECRET_PATTERNS = {
+    "AWS access key id": re.compile(r"\bA(KIA|SIA)[0-9A-Z]{16}\b"),
+    "AWS secret access key": re.compile(r"aws_secret_access_key\s*[:=]\s*\S{20,}", re.I),
+    "private key": re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"),
+    "API key entry (id:key)": re.compile(r"^\s*[\w.-]+:[A-Za-z0-9_\-]{16,}(:\d+)?\s*$", re.M),
+    "password, token or key value": re.compile(
+        r"\b(password|passwd|token|secret|api_?keys?)\b\s*[:=]\s*['\"]?[^\s'\"$]{8,}", re.I),
+}
+
+
+def plaintext_secrets(text: str) -> list[str]:
+    """What kinds of secret a config file's text holds in plain text (names only, never the values)."""
+    return [what for what, pattern in _SECRET_PATTERNS.items() if pattern.search(text)]

@@ -19,14 +19,6 @@ from infra.validation.local_server import config_path_of
 
 pytestmark = pytest.mark.launch
 
-_SECRET_PATTERNS = {
-    "AWS access key id": re.compile(r"\bA(KIA|SIA)[0-9A-Z]{16}\b"),
-    "AWS secret access key": re.compile(r"aws_secret_access_key\s*[:=]\s*\S{20,}", re.I),
-    "private key": re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"),
-    "API key entry (id:key)": re.compile(r"^\s*[\w.-]+:[A-Za-z0-9_\-]{16,}(:\d+)?\s*$", re.M),
-    "password or token value": re.compile(r"\b(password|passwd|token|secret|api_?key)\b\s*[:=]\s*['\"]?[^\s'\"$]{8,}",
-                                          re.I),
-}
 _CONFIG_SUFFIXES = (".yaml", ".yml", ".json", ".toml", ".ini", ".conf", ".cfg", ".env")
 
 
@@ -127,7 +119,7 @@ def test_no_plaintext_secrets_in_config_files(host: Any, server_port: int, api_k
     found = []
     for name in files:
         text = host.file(name).content_string
-        found += [f"{name}: {what}" for what, pattern in _SECRET_PATTERNS.items() if pattern.search(text)]
+        found += [f"{name}: {what}" for what in hostfacts.plaintext_secrets(text)]
         if api_key and api_key in text:
             found.append(f"{name}: the API key itself")
     assert not found, "plaintext secrets: " + "; ".join(found)

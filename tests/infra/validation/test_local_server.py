@@ -4,7 +4,7 @@ import os
 import socket
 from pathlib import Path
 
-from infra.validation.hostfacts import Listener, listeners, parse_proc_net_tcp, server_pid
+from infra.validation.hostfacts import Listener, listeners, parse_proc_net_tcp, plaintext_secrets, server_pid
 from infra.validation.local_server import config_path_of, run_as
 from infra.validation.runner import pytest_command
 
@@ -56,3 +56,23 @@ def test_runner_runs_only_launch_checks_with_a_timeout_covering_the_profile(tmp_
     assert command[command.index("-m", 3) + 1] == "launch"
     assert "--timeout=1800" in command  # 15 min sustained + margin
     assert command[command.index("--hosts") + 1] == "ssh://a,ssh://b"
+
+
+SERVER_YAML = """service:
+  host: 127.0.0.1
+  api_keys_env: SPECDEPLOY_API_KEYS
+  api_keys_file: /etc/specdeploy/api_keys
+scheduler:
+  max_batched_tokens: 1024
+"""
+
+
+def test_a_rendered_server_config_holds_no_secret() -> None:
+    assert plaintext_secrets(SERVER_YAML) == []
+
+
+def test_keys_written_into_a_config_file_are_found() -> None:
+    assert plaintext_secrets(SERVER_YAML + "api_keys: ci:0123456789abcdef0123\n") == ["password, token or key value"]
+    assert plaintext_secrets("ci:0123456789abcdef0123:60\n") == ["API key entry (id:key)"]
+    assert plaintext_secrets("aws_access_key_id = AKIAABCDEFGHIJKLMNOP\n") == ["AWS access key id"]
+    assert plaintext_secrets("password: hunter2hunter2\n") == ["password, token or key value"]
