@@ -108,3 +108,26 @@ _SECRET_PATTERNS = {
 def plaintext_secrets(text: str) -> list[str]:
     """What kinds of secret a config file's text holds in plain text (names only, never the values)."""
     return [what for what, pattern in _SECRET_PATTERNS.items() if pattern.search(text)]
+
+
+def oom_kills(host: Any, pid: int) -> int | None:
+    """OOM kills so far in the memory cgroup of process ``pid`` (cgroup v2 memory.events or v1
+    memory.oom_control); None where neither is readable. A rise during a run means the kernel
+    killed something in the server's container: the server itself or a worker of it."""
+    cgroups = host.file(f"/proc/{pid}/cgroup")
+    if not cgroups.exists:
+        return None
+    candidates = []
+    for line in cgroups.content_string.splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            candidates.append(f"/sys/fs/cgroup{path.rstrip('/')}/memory.events")
+        elif "memory" in controllers.split(","):
+            candidates.append(f"/sys/fs/cgroup/memory{path.rstrip('/')}/memory.oom_control")
+    for name in candidates:
+        file = host.file(name)
+        if file.exists:
+            match = re.search(r"^oom_kill (\d+)", file.content_string, re.M)
+            if match:
+                return int(match.group(1))
+    return None

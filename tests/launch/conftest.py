@@ -290,22 +290,33 @@ def _host_checks_need_a_serving_host(request: pytest.FixtureRequest) -> None:
         request.getfixturevalue("serving_hosts")
 
 
+@dataclass(frozen=True)
+class ServerFacts:
+    pid: int | None  # the process listening on the server port
+    oom_kills: int | None  # OOM kills so far in its memory cgroup; None where unreadable
+
+
 @pytest.fixture(scope="session")
-def server_pids(serving_hosts: list[str], server_port: int) -> Any:
-    """A function returning {testinfra host spec: pid listening on the server port} for --hosts."""
+def server_facts(serving_hosts: list[str], server_port: int) -> Any:
+    """A function returning {testinfra host spec: ServerFacts now} for the serving hosts."""
     import testinfra
 
-    from infra.validation.hostfacts import server_pid
+    from infra.validation.hostfacts import oom_kills, server_pid
 
-    def current() -> dict[str, int | None]:
-        return {spec: server_pid(testinfra.get_host(spec), server_port) for spec in serving_hosts}
+    def current() -> dict[str, ServerFacts]:
+        facts = {}
+        for spec in serving_hosts:
+            host = testinfra.get_host(spec)
+            pid = server_pid(host, server_port)
+            facts[spec] = ServerFacts(pid, None if pid is None else oom_kills(host, pid))
+        return facts
 
     return current
 
 
 @pytest.fixture(scope="session")
-def server_pids_before_load(server_pids: Any) -> dict[str, int | None]:
-    return dict(server_pids())
+def server_facts_before_load(server_facts: Any) -> dict[str, ServerFacts]:
+    return dict(server_facts())
 
 
 # --- load: each measured once per session ----------------------------------------------------------
@@ -320,7 +331,7 @@ def workloads(profile: Profile) -> list[Any]:
 
 @pytest.fixture(scope="session")
 def sweep(launch_run: LaunchRun, endpoint: str, api_key: str | None, profile: Profile, stack: Any,
-          workloads: list[Any], server_pids_before_load: dict[str, int | None]) -> dict[int, Any]:
+          workloads: list[Any], server_facts_before_load: dict[str, ServerFacts]) -> dict[int, Any]:
     """Closed-loop phases at each concurrency level of the profile, all prompt sets mixed."""
     from infra.validation import phases
 
@@ -343,7 +354,7 @@ def open_loop(launch_run: LaunchRun, sweep: dict[int, Any], endpoint: str, api_k
 
 @pytest.fixture(scope="session")
 def sustained(launch_run: LaunchRun, endpoint: str, api_key: str | None, profile: Profile,
-              workloads: list[Any], server_pids_before_load: dict[str, int | None]) -> Any:
+              workloads: list[Any], server_facts_before_load: dict[str, ServerFacts]) -> Any:
     """Closed loop at the SLO's target concurrency for the profile's sustained duration."""
     from infra.validation import phases
 

@@ -30,11 +30,22 @@ def test_no_request_is_lost_to_a_crash_or_oom(sustained: Any) -> None:
     assert not lost, f"{len(lost)} requests lost to connection errors or broken streams: {lost[0].error}"
 
 
-def test_server_process_was_not_restarted_by_the_load(sustained: Any, server_pids_before_load: dict[str, int],
-                                                      server_pids: Any) -> None:
-    after = server_pids()
-    changed = {spec: (pid, after.get(spec)) for spec, pid in server_pids_before_load.items() if after.get(spec) != pid}
+def test_server_process_was_not_restarted_by_the_load(sustained: Any, server_facts_before_load: dict[str, Any],
+                                                      server_facts: Any) -> None:
+    after = server_facts()
+    changed = {spec: (before.pid, after[spec].pid) for spec, before in server_facts_before_load.items()
+               if after[spec].pid != before.pid}
     assert not changed, f"server process replaced during the run (crash, OOM kill or restart): {changed}"
+
+
+def test_no_oom_kill_in_the_server_cgroup_during_the_load(sustained: Any, server_facts_before_load: dict[str, Any],
+                                                          server_facts: Any) -> None:
+    after = server_facts()
+    counts = {spec: (before.oom_kills, after[spec].oom_kills) for spec, before in server_facts_before_load.items()}
+    if all(b is None or a is None for b, a in counts.values()):
+        pytest.skip("no readable memory cgroup counters on the serving hosts")
+    killed = {spec: a - b for spec, (b, a) in counts.items() if a is not None and b is not None and a > b}
+    assert not killed, f"OOM kills during the run: {killed}"
 
 
 def test_errors_are_not_clustered_in_time(sustained: Any) -> None:
