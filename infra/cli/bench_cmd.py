@@ -33,6 +33,8 @@ def register(subparsers: Any) -> None:
     engine.add_argument("--device", default="cpu", help="cpu or cuda")
     engine.add_argument("--no-baselines", action="store_true", help="skip the transformers baselines")
     engine.add_argument("--profile", action="store_true", help="append a torch.profiler op table")
+    engine.add_argument("--repeats", type=int, default=2,
+                        help="rounds over every system and concurrency, back to back; the best counts (default 2)")
     engine.add_argument("--json-out", type=Path, help="also write the JSON report to this file")
     engine.set_defaults(func=_bench_engine)
 
@@ -90,7 +92,8 @@ def _bench_engine(args: argparse.Namespace) -> int:
 
     concurrencies = _concurrencies(args.concurrency)
     report = run_engine_benchmark(_model_dir(args.model), concurrencies, args.output_len, args.threads,
-                                  baselines=not args.no_baselines, profile=args.profile, device=args.device)
+                                  baselines=not args.no_baselines, profile=args.profile, device=args.device,
+                                  repeats=args.repeats)
     data = report.to_dict()
     profile = data.pop("profile")
     text = json.dumps(data, indent=2)
@@ -155,7 +158,7 @@ def _print_table(report: Any, concurrencies: list[int]) -> None:
     from rich.table import Table
 
     table = Table(title=f"tokens/s — {report.model} ({report.device}, {report.dtype}, {report.threads} thread(s), "
-                        f"{report.output_len} tokens per request)")
+                        f"{report.output_len} tokens per request, best of {report.repeats} rounds)")
     table.add_column("system")
     for c in concurrencies:
         table.add_column(f"c={c}", justify="right")

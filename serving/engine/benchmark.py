@@ -24,6 +24,9 @@ from serving.engine.types import GenerationRequest, SamplingParams
 log = logging.getLogger(__name__)
 
 
+_SYSTEMS = ("engine", "hf_generate", "hf_generate_padded", "hf_generate_batch")
+
+
 @dataclass
 class RunResult:
     system: str  # "engine", "hf_generate", "hf_generate_padded", "hf_generate_batch"
@@ -42,6 +45,7 @@ class EngineBenchReport:
     threads: int
     prompt_tokens: list[int]  # prompt length of each distinct prompt
     output_len: int
+    repeats: int = 1  # rounds over all systems; each result is the best of its rounds
     results: list[RunResult] = field(default_factory=list)
     ratios: dict[str, float] = field(default_factory=dict)
     profile: str = ""
@@ -140,6 +144,7 @@ def run_engine_benchmark(
     baselines: bool = True,
     profile: bool = False,
     device: str = "cpu",
+    repeats: int = 2,
 ) -> EngineBenchReport:
     torch.set_num_threads(threads)
     max_c = max(concurrencies)
@@ -151,17 +156,14 @@ def run_engine_benchmark(
     report = EngineBenchReport(model=str(model_dir), device=str(engine.device), dtype=str(engine.dtype),
                                threads=torch.get_num_threads(), prompt_tokens=[len(p) for p in prompts],
                                output_len=output_len)
-    bench_engine(engine, prompts, 2, 8)  # warm-up
+    runs: list[Callable[[], RunResult]] = []
     for c in concurrencies:
-        report.results.append(bench_engine(engine, prompts, c, output_len))
-        log.info("engine c=%d: %.1f tok/s", c, report.results[-1].tokens_per_s)
-
+        runs.append(functools.partial(bench_engine, engine, prompts, c, output_len))
     if baselines:
         from transformers import AutoModelForCausalLM
 
         # generate_batch logs every cache allocation at INFO; the report is the output here
         logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
-
         hf: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=engine.dtype)
         hf = hf.to(engine.device).eval()
         pad = engine.args.eos_token_ids[0] if engine.args.eos_token_ids else 0
@@ -169,10 +171,22 @@ def run_engine_benchmark(
         for c in concurrencies:
             system = "hf_generate" if c == 1 else "hf_generate_padded"
             run = functools.partial(bench_hf_generate, hf, prompts, c, output_len, pad)
-            report.results.append(_guarded(f"generate c={c}", run, system, c))
-        for c in concurrencies:
+            runs.append(functools.partial(_guarded, f"generate c={c}", run, system, c))
             run = functools.partial(bench_hf_generate_batch, hf, prompts, c, output_len)
-            report.results.append(_guarded(f"generate_batch c={c}", run, "hf_generate_batch", c))
+            runs.append(functools.partial(_guarded, f"generate_batch c={c}", run, "hf_generate_batch", c))
+    bench_engine(engine, prompts, 2, 8)  # warm-up
+    # every system at every concurrency once per round, rounds back to back, best round kept: the machine is
+    # shared, and the load of a given minute should not decide a ratio
+    best: dict[tuple[str, int], RunResult] = {}
+    for _ in range(max(repeats, 1)):
+        for measure in runs:
+            result = measure()
+            log.info("%s c=%d: %.1f tok/s", result.system, result.concurrency, result.tokens_per_s)
+            key = (result.system, result.concurrency)
+            if key not in best or result.tokens_per_s > best[key].tokens_per_s:
+                best[key] = result
+    report.results = sorted(best.values(), key=lambda r: (_SYSTEMS.index(r.system), r.concurrency))
+    report.repeats = max(repeats, 1)
     report.ratios = compute_ratios(report, max_c)
     if profile:
         report.profile = profile_engine(engine, prompts, [1, max_c], min(output_len, 32))
