@@ -93,7 +93,19 @@ def memory_trend(phase: Phase, warmup_fraction: float = 0.2) -> dict[str, float]
     mib = [float(rss) / 2**20 for _, rss in points]
     slope, intercept = linear_fit(minutes, mib)
     return {"slope_mib_per_min": slope, "intercept_mib": intercept, "points": float(len(points)),
-            "from_s": points[0][0], "to_s": points[-1][0]}
+            "from_s": points[0][0], "to_s": points[-1][0], "growth_mib": slope * (minutes[-1] - minutes[0])}
+
+
+# Growth of the fitted line over the whole window below which no slope counts as a leak: allocator
+# arenas and caches grow in steps of a few MiB as batch shapes vary, and over a short (quick-profile)
+# window one such step reads as tens of MiB per minute. Over the standard profile's 15 minutes any
+# slope above the SLO grows far more than this.
+MEMORY_NOISE_FLOOR_MIB = 16.0
+
+
+def memory_leak_suspected(trend: dict[str, float], limit_mib_per_min: float) -> bool:
+    """The stability verdict: the fitted slope exceeds the SLO *and* the fitted growth exceeds the floor."""
+    return trend["slope_mib_per_min"] > limit_mib_per_min and trend["growth_mib"] > MEMORY_NOISE_FLOOR_MIB
 
 
 @dataclass(frozen=True)
