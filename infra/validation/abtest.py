@@ -139,9 +139,9 @@ class ABResult:
         enabled = len(enabled_sets) * 2 > len(at_level)
         low = min(levels)
         low_wins = [d.prompt_set for d in decisions if d.concurrency == low and d.verdict == ENABLE]
-        reason = (f"at concurrency {level} (closest tested level to the SLO target {target_concurrency}) "
-                  f"speculation passes the rule for {len(enabled_sets)} of {len(at_level)} prompt sets"
-                  f" ({', '.join(enabled_sets) or 'none'})")
+        reason = (f"at concurrency {level}, the tested level closest to the SLO target {target_concurrency}, "
+                  f"speculation passes the rule for {len(enabled_sets)} of {len(at_level)} prompt sets: "
+                  f"{', '.join(enabled_sets) or 'none'}")
         if not enabled and low_wins and low != level:
             reason += f"; it would pay off at concurrency {low} for {', '.join(low_wins)}"
         return {"enabled": enabled, "concurrency": level, "enabled_prompt_sets": enabled_sets, "reason": reason}
