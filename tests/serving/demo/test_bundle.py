@@ -12,11 +12,6 @@ from serving.demo import draft_path, target_path
 
 MAX_BUNDLE_MB = 40
 
-# TEMPORARY while the first training run is in progress; removed when the weights are committed.
-pytestmark = pytest.mark.skipif(
-    not (draft_path() / "model.safetensors").exists(), reason="demo weights not committed yet"
-)
-
 
 @pytest.fixture(scope="module")
 def tokenizer():
