@@ -11,6 +11,7 @@ principal directions, which gives the tiny model a head start.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from pathlib import Path
 
@@ -49,19 +50,25 @@ def distill_draft(args: argparse.Namespace) -> Path:
     heldout = fixed_windows(encode_files(tokenizer, heldout_files), args.seq_len, limit=16)
 
     shape = TINY_SHAPE if args.tiny else DRAFT_SHAPE
-    draft = LlamaForCausalLM(llama_config(shape, tokenizer))
-    with torch.no_grad():
-        # Top principal directions of the target's token embeddings, at the target's scale.
-        emb = target.model.embed_tokens.weight  # [vocab, target_hidden]
-        u, s, _ = torch.linalg.svd(emb - emb.mean(0), full_matrices=False)
-        init = u[:, : shape.hidden] * s[: shape.hidden]  # [vocab, draft_hidden]
-        draft.model.embed_tokens.weight.copy_(init * (emb.std() / init.std()))
+    if args.init_from is not None:  # continue an earlier distillation with a fresh schedule
+        draft = LlamaForCausalLM.from_pretrained(str(args.init_from), dtype=torch.float32)
+    else:
+        draft = LlamaForCausalLM(llama_config(shape, tokenizer))
+        with torch.no_grad():
+            # Top principal directions of the target's token embeddings, at the target's scale.
+            emb = target.model.embed_tokens.weight  # [vocab, target_hidden]
+            u, s, _ = torch.linalg.svd(emb - emb.mean(0), full_matrices=False)
+            init = u[:, : shape.hidden] * s[: shape.hidden]  # [vocab, draft_hidden]
+            draft.model.embed_tokens.weight.copy_(init * (emb.std() / init.std()))
     log.info("draft parameters: %d", sum(p.numel() for p in draft.parameters()))
 
     opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     gen = torch.Generator().manual_seed(args.seed)
     clock = Clock(args.steps, args.max_minutes)
     meta: dict[str, object] = {"script": "serving.demo.distill_draft", "seed": args.seed}
+    if args.init_from is not None:
+        previous = args.init_from / "training.json"
+        meta["continued_from"] = json.loads(previous.read_text()) if previous.exists() else str(args.init_from)
     last_ckpt = 0.0
     step = 0
 
@@ -129,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", type=Path, default=MODELS_DIR / "target")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--hard-weight", type=float, default=0.5)
+    parser.add_argument("--init-from", type=Path, default=None, help="start from these draft weights")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     distill_draft(args)
