@@ -89,6 +89,8 @@ class SpeculationPolicy:
     draft_cost: LinearCost = field(default_factory=lambda: LinearCost(intercept=1e-3, slope=2e-5))
     global_acceptance: Acceptance = field(default_factory=Acceptance)
     per_request: dict[str, Acceptance] = field(default_factory=dict)
+    explore_after: int = 32  # a request left at k = 0 this many steps gets one k = 1 probe
+    _idle_steps: dict[str, int] = field(default_factory=dict)
 
     def acceptance(self, req_id: str) -> float:
         own = self.per_request.get(req_id)
@@ -102,13 +104,14 @@ class SpeculationPolicy:
         candidates: dict[str, int],
         other_tokens: int,
         num_decodes: int,
-        catch_up: dict[str, int] | None = None,
+        catch_up: dict[str, float] | None = None,
     ) -> dict[str, int]:
         """k per candidate request (at most candidates[req_id]); 0 means it does not speculate this step.
 
         other_tokens: tokens of the step that are not decode/verify tokens (prefill chunks);
         num_decodes: sequences decoding this step (candidates included);
-        catch_up: req_id -> tokens the draft must run before it can draft for it (1 when up to date).
+        catch_up: req_id -> draft tokens to charge before it can draft for it (1 when up to date; the
+        caller may amortise a long catch-up over the request's remaining steps).
 
         Greedy by draft position: position j is given to the m requests most likely to accept it, with m
         (0 included) chosen to maximise expected tokens / expected seconds; position j + 1 is considered
@@ -129,10 +132,10 @@ class SpeculationPolicy:
             eligible = [r for r in order if ks[r] == position - 1 and candidates[r] >= position]
             base_rate = tokens / (self.target_cost(batch) + draft_seconds)
             best_m, best_rate = 0, base_rate
-            gain, fed = 0.0, 0
+            gain, fed = 0.0, 0.0
             for m, r in enumerate(eligible, 1):
                 gain += alphas[r] ** position  # P(this position is reached and accepted)
-                fed += (catch_up or {}).get(r, 1) if position == 1 else 1
+                fed += (catch_up or {}).get(r, 1.0) if position == 1 else 1.0
                 seconds = self.target_cost(batch + m) + draft_seconds
                 if self.uses_draft_model:
                     seconds += self.draft_cost(fed)
@@ -147,8 +150,18 @@ class SpeculationPolicy:
             tokens += sum(alphas[r] ** position for r in chosen)
             batch += best_m
             if self.uses_draft_model:
-                fed = sum((catch_up or {}).get(r, 1) for r in chosen) if position == 1 else best_m
+                fed = sum((catch_up or {}).get(r, 1.0) for r in chosen) if position == 1 else float(best_m)
                 draft_seconds += self.draft_cost(fed)
+        return self._explore(ks, catch_up or {})
+
+    def _explore(self, ks: dict[str, int], catch_up: dict[str, float]) -> dict[str, int]:
+        """Estimates only move when a request speculates; a cheap probe now and then keeps k = 0 from being
+        forever (not where the draft would first have to catch up on a long stretch)."""
+        for r, k in ks.items():
+            idle = 0 if k > 0 else self._idle_steps.get(r, 0) + 1
+            if idle >= self.explore_after and catch_up.get(r, 1.0) <= 8.0:
+                ks[r], idle = 1, 0
+            self._idle_steps[r] = idle
         return ks
 
     def observe_target_step(self, num_tokens: int, seconds: float) -> None:
@@ -163,3 +176,4 @@ class SpeculationPolicy:
 
     def forget(self, req_id: str) -> None:
         self.per_request.pop(req_id, None)
+        self._idle_steps.pop(req_id, None)

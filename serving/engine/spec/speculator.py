@@ -20,6 +20,14 @@ from serving.engine.spec.rejection import rejection_sample, verify_greedy
 from serving.engine.types import SpecStats
 
 
+def amortized_catch_up(lag: int, req: Request) -> float:
+    """The draft's catch-up (its whole prompt, the first time) is paid once and serves every later step of the
+    request: charge this step only its share over the steps still to come (~2 tokens each), or a request
+    whose draft lags would never look worth catching up and would never speculate."""
+    remaining_steps = max((req.params.max_tokens - req.num_output_tokens) / 2, 1.0)
+    return 1 + (lag - 1) / remaining_steps
+
+
 class Speculator:
     def __init__(
         self,
@@ -62,7 +70,7 @@ class Speculator:
             for rid, drafts in proposals.items():
                 by_id[rid].spec_token_ids = drafts[: ks[rid]]
         else:
-            catch_up = {rid: self.proposer.lag(by_id[rid]) for rid in candidates}
+            catch_up = {rid: amortized_catch_up(self.proposer.lag(by_id[rid]), by_id[rid]) for rid in candidates}
             ks = self.policy.choose(candidates, other_tokens, len(decoding), catch_up)
             ks = {rid: k for rid, k in ks.items() if k > 0}
             proposed = self.proposer.propose([by_id[rid] for rid in ks], ks)

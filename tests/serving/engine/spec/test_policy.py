@@ -64,3 +64,10 @@ def test_k_is_chosen_per_request_by_acceptance() -> None:
         policy.observe_verification("bad", 0, 4)
     ks = policy.choose({"r": 4, "bad": 4}, 0, 2)
     assert ks["r"] >= 2 and ks["bad"] < ks["r"]
+
+
+def test_a_request_left_at_zero_is_probed_now_and_then() -> None:
+    policy = trained_policy()
+    candidates = {f"r{i}": 4 for i in range(64)}
+    chosen = [policy.choose(candidates, 0, 64)["r0"] for _ in range(policy.explore_after)]
+    assert chosen[:-1] == [0] * (policy.explore_after - 1) and chosen[-1] == 1
