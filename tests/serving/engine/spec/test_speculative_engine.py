@@ -207,3 +207,27 @@ def test_the_distribution_test_detects_a_broken_acceptance_rule(
     p2, _ = exact_marginals(target, params)
     counts = sample_marginals(kit, target, draft, params, 1500)
     assert chi_square(counts[0], p2) > CHI2_CRITICAL_DF7
+
+
+def demo_pair() -> tuple[Path, Path] | None:
+    try:
+        from serving.demo import draft_path, target_path
+    except ImportError:
+        return None
+    pair = (target_path(), draft_path())
+    return pair if all((p / "model.safetensors").is_file() for p in pair) else None
+
+
+@pytest.mark.skipif(demo_pair() is None, reason="demo target/draft weights not present")
+def test_demo_pair_greedy_output_is_identical_and_the_draft_is_accepted(kit: Any) -> None:
+    pair = demo_pair()
+    assert pair is not None
+    target, draft = pair
+    texts = ["import os\nimport sys\n\n\ndef main(argv):\n", "class Stack:\n    def __init__(self):\n"]
+    engine_off = kit.make_engine(target)
+    prompts = [engine_off.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    params = [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)] * len(prompts)
+    expected = kit.run_to_completion(engine_off, prompts, params)
+    engine = spec_engine(kit, target, method="draft", draft_model=str(draft), num_draft_tokens=6)
+    assert kit.run_to_completion(engine, prompts, params) == expected
+    assert engine.stats().spec.acceptance_rate > 0.3
