@@ -74,7 +74,8 @@ def _model_dir(arg: Path | None, which: str = "target") -> Path:
 
         path = target_path() if which == "target" else draft_path()
     if not (path / "config.json").is_file():
-        raise CommandError(f"no model at {path} (config.json missing); pass --model DIR")
+        flag = {"target": "--model/--target", "draft": "--draft"}[which]
+        raise CommandError(f"no {which} model at {path} (config.json missing); pass {flag} DIR")
     return path
 
 
