@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,6 +32,9 @@ logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 600.0
 LOG_TAIL_LINES = 30
+
+
+NOBODY = 65534  # uid/gid the local server drops to when started by root
 
 
 class LocalError(Exception):
@@ -171,9 +175,17 @@ class LocalDeployment:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEPLOY")}
         env["SPECDEPLOY_ENV"] = "production"
         env["PYTHONUNBUFFERED"] = "1"
+        command = [sys.executable, "-m", "infra.cli.main", "serve", "--config", str(self.paths.server_config)]
+        if os.geteuid() == 0 and shutil.which("setpriv"):
+            # Never serve as root, even locally (the launch checks fail a root server). The state dir
+            # stays root's: the unprivileged server keeps only the right to read it (the interpreter
+            # may also live under root's private home), and writes nothing there.
+            from infra.validation.local_server import run_as
+
+            command = [*run_as(NOBODY, NOBODY, read_anywhere=True), *command]
         with self.paths.log_file.open("ab") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "infra.cli.main", "serve", "--config", str(self.paths.server_config)],
+                command,
                 cwd=self.root, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,  # survives this command; `down` stops it
             )
