@@ -4,7 +4,6 @@ alarms, a fake slot server whose /ready and /metrics the test controls, and a st
 from __future__ import annotations
 
 import shutil
-import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,12 +24,6 @@ GREEN = {
 }
 ALARM_PREFIX = "prod-"  # the alerting component names alarms <stack>-<RuleName>
 RUNBOOKS = "https://example.com/runbooks"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
