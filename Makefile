@@ -26,7 +26,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 demo: $(STAMP)
-	$(BIN)/python -m infra.demo
+	$(BIN)/python -m infra.ops.demo
 
 soak: $(STAMP)
 	$(BIN)/pytest -m soak

@@ -22,8 +22,8 @@ from pulumi_policy import (
     StackValidationPolicy,
 )
 
+from infra.ops.preview import RecordedResource
 from infra.policy.aws_policies import POLICIES
-from infra.preview import RecordedResource
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from infra.alerts import AlertRule
 
 
 def alarm_name(stack: str, rule: AlertRule) -> str:
-    """The CloudWatch alarm of ``rule`` in ``stack`` (infra/components/alerting.py names it so)."""
+    """The CloudWatch alarm of ``rule`` in ``stack`` (infra/components/aws/alerting.py names it so)."""
     return f"{stack}-{rule.name}"
 
 

@@ -83,7 +83,7 @@ class ServerProcess:
         return None if self.process is None else self.process.pid
 
     def start(self, ready_timeout_s: float = 180) -> ServerProcess:
-        command = [*self.wrapper, sys.executable, "-m", "infra.cli.main", "serve", "--config",
+        command = [*self.wrapper, sys.executable, "-m", "infra.ops.cli.main", "serve", "--config",
                    str(self.config_path), "--host", self.host, "--port", str(self.port)]
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=self.cwd)

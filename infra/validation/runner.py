@@ -68,7 +68,7 @@ def local_api_key(stack: str) -> str | None:
     stack_file = load_stack(stack)
     if stack_file.config.platform != "local":
         return None
-    from infra.local import LocalDeployment
+    from infra.ops.local import LocalDeployment
 
     key: str | None = LocalDeployment(stack_file).api_key()
     return key

@@ -154,7 +154,7 @@ def _server(model_dir: Path, workdir: Path, output_len: int, threads: int) -> It
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEPLOY")}
     env.update(SPECDEPLOY_ENV="development", OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     with (workdir / "server.log").open("wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "infra.cli.main", "serve", "--config",
+        proc = subprocess.Popen([sys.executable, "-m", "infra.ops.cli.main", "serve", "--config",
                                  str(workdir / "server.yaml")], env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import sys
 from collections.abc import Callable
 
 import pulumi
@@ -11,7 +10,7 @@ import pytest
 
 from infra.alerts import alert_rules
 from infra.config import load_stack
-from infra.preview import PreviewResult, record_stack
+from infra.ops.preview import PreviewResult, record_stack
 
 StackFn = Callable[[str], PreviewResult]
 STACKS = ("dev", "staging", "prod")
@@ -89,12 +88,3 @@ def test_a_model_that_does_not_fit_stops_the_program(aws_variant: Callable[..., 
 def test_local_platform_points_at_the_local_path() -> None:
     with pytest.raises(RuntimeError, match="specdeploy up --stack local"):
         record_stack("local")
-
-
-@pulumi.runtime.test
-def test_kubernetes_branch_names_the_missing_module(aws_variant: Callable[..., PreviewResult],
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "infra.k8s_program", None)
-    kubernetes = {"namespace": "specdeploy"}
-    with pytest.raises(RuntimeError, match=r"needs infra/k8s_program\.py \(deploy_kubernetes\)"):
-        aws_variant("dev", platform="kubernetes", kubernetes=kubernetes)

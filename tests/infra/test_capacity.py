@@ -153,14 +153,14 @@ def test_every_aws_stack_has_a_plan(stack: str) -> None:
 
 
 def test_plan_command_prints_the_instance(capsys: pytest.CaptureFixture[str]) -> None:
-    from infra.cli.main import main
+    from infra.ops.cli.main import main
 
     assert main(["plan", "--stack", "dev"]) == 0
     assert "g6e.xlarge (cheapest that fits)" in capsys.readouterr().out
 
 
 def test_plan_command_lists_candidates(capsys: pytest.CaptureFixture[str]) -> None:
-    from infra.cli.main import main
+    from infra.ops.cli.main import main
 
     assert main(["plan", "--stack", "dev", "--candidates"]) == 0
     out = capsys.readouterr().out
@@ -168,8 +168,8 @@ def test_plan_command_lists_candidates(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_plan_command_reports_a_misfit_as_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from infra.cli.main import main
     from infra.config import STACKS_DIR
+    from infra.ops.cli.main import main
 
     text = (STACKS_DIR / "Pulumi.dev.yaml").read_text().replace("instance_type: auto", "instance_type: g5.xlarge")
     (tmp_path / "Pulumi.dev.yaml").write_text(text)

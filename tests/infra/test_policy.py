@@ -11,10 +11,10 @@ from typing import Any
 import pulumi
 import pytest
 
+from infra.components.aws.user_data import decode_user_data, encode_user_data
+from infra.ops.preview import PreviewResult
 from infra.policy.aws_policies import POLICIES
 from infra.policy.offline import Violation, check, props_of, run_policy
-from infra.preview import PreviewResult
-from infra.user_data import decode_user_data, encode_user_data
 
 StackFn = Callable[[str], PreviewResult]
 POLICY = {policy.name: policy for policy in POLICIES}

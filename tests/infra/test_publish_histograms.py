@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from types import ModuleType
 
-from infra.user_data import TEMPLATES
+from infra.components.aws.user_data import TEMPLATES
 
 SCRAPE = """
 # TYPE specdeploy_time_to_first_token_seconds histogram

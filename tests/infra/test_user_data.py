@@ -15,10 +15,7 @@ import pulumi
 import pytest
 import yaml
 
-from infra.cli.main import build_parser
-from infra.config import load_stack, render_server_config
-from infra.preview import PreviewResult
-from infra.user_data import (
+from infra.components.aws.user_data import (
     TEMPLATES,
     USER_DATA_LIMIT,
     UserDataSpec,
@@ -28,6 +25,9 @@ from infra.user_data import (
     render_prometheus_config,
     render_user_data,
 )
+from infra.config import load_stack, render_server_config
+from infra.ops.cli.main import build_parser
+from infra.ops.preview import PreviewResult
 from serving import metric_names as m
 from serving.config import ServerConfig
 

@@ -66,7 +66,7 @@ def _deploy_files(root: Path, stack: Any) -> tuple[Path, str]:
 def local_deployment(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
     if request.config.getoption("endpoint", None):
         pytest.skip("the launch suite is pointed at a deployment already (--endpoint)")
-    from infra.cli.main import registered_commands
+    from infra.ops.cli.main import registered_commands
 
     if "serve" not in registered_commands():
         pytest.skip("`specdeploy serve` is not part of this build")

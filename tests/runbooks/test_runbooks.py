@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from infra.alerts import alert_rules
-from infra.cli.main import build_parser
 from infra.config import REPO_ROOT, available_stacks, load_stack
+from infra.ops.cli.main import build_parser
 
 RUNBOOKS = REPO_ROOT / "runbooks"
 PROCEDURES = ("rollout.md", "rollback.md", "scale-out.md", "cold-start.md", "rotate-api-keys.md",
@@ -54,8 +54,8 @@ def _linked_runbook(url: str) -> Path:
 def rendered_alarms() -> dict[str, list[tuple[str, str]]]:
     """(alarm name, runbook link) of every alarm as each platform renders it: CloudWatch alarms of
     stack prod (aws) and PrometheusRule rules of stack k8s-prod (kubernetes), offline."""
-    from infra.k8s_render import render_objects
-    from infra.preview import record_stack
+    from infra.ops.k8s_render import render_objects
+    from infra.ops.preview import record_stack
 
     aws = record_stack("prod")
     cloudwatch = []

@@ -40,7 +40,7 @@ def test_the_server_behind_a_port_is_found_on_this_machine() -> None:
 
 
 def test_config_path_comes_from_the_command_line_or_the_environment() -> None:
-    argv = ["python", "-m", "infra.cli.main", "serve", "--config", "state/server.yaml"]
+    argv = ["python", "-m", "infra.ops.cli.main", "serve", "--config", "state/server.yaml"]
     assert config_path_of(argv, {}, Path("/repo")) == Path("/repo/state/server.yaml")
     assert config_path_of(["serve"], {"SPECDEPLOY_CONFIG": "/etc/s.yaml"}) == Path("/etc/s.yaml")
     assert config_path_of(["serve"], {}) is None

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from infra.cli.main import main, registered_commands
+from infra.ops.cli.main import main, registered_commands
 
 
 def test_validate_and_loadgen_are_subcommands() -> None:

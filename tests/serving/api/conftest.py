@@ -62,7 +62,7 @@ class ServerProcess:
             f"alice:{KEYS['alice']},bob:{KEYS['bob']},slow:{KEYS['slow']}:{SLOW_KEY_RPM}")
         self.log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "infra.cli.main", "serve", "--config", str(self.config_path)],
+            [sys.executable, "-m", "infra.ops.cli.main", "serve", "--config", str(self.config_path)],
             cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
         )
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.cli.main import main
+from infra.ops.cli.main import main
 from serving.engine.benchmark import run_engine_benchmark
 
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.cli import weights_cmd
-from infra.cli.main import CommandError
+from infra.ops.cli import weights_cmd
+from infra.ops.cli.main import CommandError
 
 
 def _run(*argv: str) -> int:

@@ -1,0 +1,194 @@
+"""LoadBalancer: the ALB in front of the fleet, with blue and green target groups.
+
+Internal by default. When the service is public it listens on HTTPS with the
+stack's certificate (TLS 1.2+ policy) and HTTP only redirects. The listener
+forwards by weight to the two slots' target groups, so a rollout or a rollback is
+a weight change, no DNS and no cold start. Targets are checked on /ready (weights
+verified, model loaded, warm, not draining), the idle timeout outlasts a long
+generation, and deregistration waits as long as the server drains on SIGTERM.
+Access logs go to their own private bucket.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import pulumi
+import pulumi_aws as aws
+
+from infra.components.aws.common import SecureBucket, child, secure_bucket, tags
+
+SLOTS = ("blue", "green")
+TLS_POLICY = "ELBSecurityPolicy-TLS13-1-2-2021-06"
+READY_PATH = "/ready"
+
+
+@dataclass(frozen=True)
+class LoadBalancerArgs:
+    vpc_id: pulumi.Input[str]
+    subnet_ids: pulumi.Input[list[str]]  # private subnets when internal, public subnets when public
+    server_port: int
+    active_slot: str
+    canary_weight: int = 0  # percent of requests sent to the idle slot
+    public: bool = False
+    allowed_cidrs: list[str] = field(default_factory=lambda: ["10.0.0.0/8"])
+    certificate_arn: str | None = None
+    domain: str | None = None
+    drain_grace_s: float = 30.0  # the server's SIGTERM grace: deregistration waits this long
+    request_timeout_s: float = 60.0  # the server's own limit: the idle timeout must outlast it
+    access_log_days: int = 90
+
+    def __post_init__(self) -> None:
+        if self.active_slot not in SLOTS:
+            raise ValueError(f"release.active: {self.active_slot!r} is not one of {', '.join(SLOTS)}")
+        if not 0 <= self.canary_weight <= 100:
+            raise ValueError(f"release.canary_weight: {self.canary_weight} is not a percentage")
+        if self.public and not self.certificate_arn:
+            raise ValueError("access.certificate_arn is required when access.public is true (TLS when public)")
+        if not self.allowed_cidrs:
+            raise ValueError("access.allowed_cidrs is empty: nobody could reach the endpoint")
+        if not self.public and any(c in ("0.0.0.0/0", "::/0") for c in self.allowed_cidrs):
+            raise ValueError("access.allowed_cidrs opens an internal load balancer to the world; "
+                             "set access.public or list the client networks")
+
+    @property
+    def tls(self) -> bool:
+        return self.certificate_arn is not None
+
+    @property
+    def idle_timeout_s(self) -> int:
+        # Long prefills and slow streams sit silent for a while; never cut a request the server still runs.
+        return min(4000, max(300, math.ceil(self.request_timeout_s) + 60))
+
+    @property
+    def deregistration_delay_s(self) -> int:
+        return min(3600, math.ceil(self.drain_grace_s))
+
+    def weights(self) -> dict[str, int]:
+        idle = "green" if self.active_slot == "blue" else "blue"
+        return {self.active_slot: 100 - self.canary_weight, idle: self.canary_weight}
+
+
+class LoadBalancer(pulumi.ComponentResource):
+    endpoint: pulumi.Output[str]
+    dns_name: pulumi.Output[str]
+    arn_suffix: pulumi.Output[str]
+    security_group_id: pulumi.Output[str]
+    listener_arn: pulumi.Output[str]
+    log_bucket_name: pulumi.Output[str]
+    target_group_arns: dict[str, pulumi.Output[str]]
+    target_group_arn_suffixes: dict[str, pulumi.Output[str]]
+
+    def __init__(self, name: str, args: LoadBalancerArgs, opts: pulumi.ResourceOptions | None = None) -> None:
+        super().__init__("specdeploy:aws:LoadBalancer", name, None, opts)
+        logs = self._log_bucket(name, args)
+        log_bucket = logs.bucket
+        listen_ports = [443, 80] if args.tls else [80]
+        sg = aws.ec2.SecurityGroup(
+            f"{name}-sg",
+            vpc_id=args.vpc_id,
+            description=f"{'Public' if args.public else 'Internal'} ALB: clients on {listen_ports}",
+            ingress=[{"protocol": "tcp", "from_port": port, "to_port": port, "cidr_blocks": list(args.allowed_cidrs),
+                      "description": "clients" if port != 80 or not args.tls else "clients (redirect to HTTPS)"}
+                     for port in listen_ports],
+            # Egress to the instances is added by each fleet, pointing at its own security group.
+            tags=tags(f"{name}-sg"),
+            opts=child(self),
+        )
+        alb = aws.lb.LoadBalancer(
+            f"{name}-alb",
+            load_balancer_type="application",
+            internal=not args.public,
+            subnets=args.subnet_ids,
+            security_groups=[sg.id],
+            idle_timeout=args.idle_timeout_s,
+            drop_invalid_header_fields=True,
+            enable_http2=True,
+            access_logs={"bucket": log_bucket.bucket, "prefix": "alb", "enabled": True},
+            tags=tags(f"{name}-alb"),
+            # The ALB checks at creation that it may write its logs: the bucket policy must exist first.
+            opts=child(self, depends_on=[logs.policy]),
+        )
+        groups = {slot: self._target_group(name, slot, args) for slot in SLOTS}
+        forward: aws.lb.ListenerDefaultActionArgsDict = {
+            "type": "forward",
+            "forward": {"target_groups": [{"arn": groups[slot].arn, "weight": weight}
+                                          for slot, weight in sorted(args.weights().items())]},
+        }
+        if args.tls:
+            listener = aws.lb.Listener(
+                f"{name}-https", load_balancer_arn=alb.arn, port=443, protocol="HTTPS", ssl_policy=TLS_POLICY,
+                certificate_arn=args.certificate_arn, default_actions=[forward], opts=child(self),
+            )
+            aws.lb.Listener(
+                f"{name}-http-redirect", load_balancer_arn=alb.arn, port=80, protocol="HTTP",
+                default_actions=[{"type": "redirect",
+                                  "redirect": {"protocol": "HTTPS", "port": "443", "status_code": "HTTP_301"}}],
+                opts=child(self),
+            )
+        else:
+            listener = aws.lb.Listener(
+                f"{name}-http", load_balancer_arn=alb.arn, port=80, protocol="HTTP", default_actions=[forward],
+                opts=child(self),
+            )
+        scheme = "https" if args.tls else "http"
+        self.dns_name = alb.dns_name
+        self.endpoint = pulumi.Output.concat(f"{scheme}://", args.domain) if args.domain else \
+            pulumi.Output.concat(f"{scheme}://", alb.dns_name)
+        self.arn_suffix = alb.arn_suffix
+        self.security_group_id = sg.id
+        self.listener_arn = listener.arn
+        self.log_bucket_name = log_bucket.bucket
+        self.target_group_arns = {slot: tg.arn for slot, tg in groups.items()}
+        self.target_group_arn_suffixes = {slot: tg.arn_suffix for slot, tg in groups.items()}
+        self.register_outputs({
+            "endpoint": self.endpoint,
+            "dns_name": self.dns_name,
+            "arn_suffix": self.arn_suffix,
+            "security_group_id": self.security_group_id,
+            "listener_arn": self.listener_arn,
+            "log_bucket_name": self.log_bucket_name,
+            "target_group_arns": self.target_group_arns,
+        })
+
+    def _target_group(self, name: str, slot: str, args: LoadBalancerArgs) -> aws.lb.TargetGroup:
+        return aws.lb.TargetGroup(
+            f"{name}-{slot}",
+            vpc_id=args.vpc_id,
+            port=args.server_port,
+            protocol="HTTP",
+            target_type="instance",
+            # LLM requests vary from milliseconds to minutes: send each to the least busy server.
+            load_balancing_algorithm_type="least_outstanding_requests",
+            deregistration_delay=args.deregistration_delay_s,
+            health_check={
+                "enabled": True, "path": READY_PATH, "port": "traffic-port", "protocol": "HTTP", "matcher": "200",
+                "interval": 15, "timeout": 5, "healthy_threshold": 2, "unhealthy_threshold": 3,
+            },
+            tags=tags(f"{name}-{slot}", slot=slot),
+            opts=child(self),
+        )
+
+    def _log_bucket(self, name: str, args: LoadBalancerArgs) -> SecureBucket:
+        # ALB log delivery writes as the region's ELB account (older regions) or the log-delivery service.
+        elb_account = aws.elb.get_service_account_output(opts=pulumi.InvokeOutputOptions(parent=self))
+        caller = aws.get_caller_identity_output(opts=pulumi.InvokeOutputOptions(parent=self))
+
+        def delivery(values: list[Any]) -> list[dict[str, Any]]:
+            elb_arn, account, bucket_arn = values
+            resource = f"{bucket_arn}/alb/AWSLogs/{account}/*"
+            return [
+                {"Sid": "ElbAccountWritesLogs", "Effect": "Allow", "Principal": {"AWS": elb_arn},
+                 "Action": "s3:PutObject", "Resource": resource},
+                {"Sid": "LogDeliveryWritesLogs", "Effect": "Allow",
+                 "Principal": {"Service": "logdelivery.elasticloadbalancing.amazonaws.com"},
+                 "Action": "s3:PutObject", "Resource": resource},
+            ]
+
+        return secure_bucket(
+            f"{name}-logs", self, bucket_name=None, sse_algorithm="AES256",  # ALB logs support SSE-S3 only
+            noncurrent_days=7, expire_current_days=args.access_log_days,
+            extra_statements=lambda arn: pulumi.Output.all(elb_account.arn, caller.account_id, arn).apply(delivery),
+        )

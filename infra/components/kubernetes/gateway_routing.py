@@ -1,0 +1,90 @@
+"""Weighted blue/green routing with Gateway API: one HTTPRoute with two weighted backends.
+
+The route attaches to an existing Gateway (``kubernetes.gateway``: namespace/name[/listener])
+that the platform team runs (Envoy Gateway, Istio, Cilium, NGINX Gateway Fabric, a cloud
+gateway); TLS terminates at its listener. The active slot's Service gets
+``100 - canary_weight``, the idle slot's ``canary_weight`` — a traffic shift is one weight
+change, a rollback needs no pod to start. The portable successor of the ingress-nginx
+canary (docs/kubernetes.md, "Routing").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pulumi
+import pulumi_kubernetes as k8s
+
+from infra.components.kubernetes.common import app_labels, kubernetes_spec
+from infra.components.kubernetes.routing import OPEN_CIDRS, traffic_split
+from infra.config import StackConfig
+
+GATEWAY_API = "gateway.networking.k8s.io/v1"
+
+
+@dataclass(frozen=True)
+class GatewayRoutingArgs:
+    config: StackConfig  # access (domain, CIDRs), release (active slot, canary weight), kubernetes (gateway)
+    namespace: pulumi.Input[str]
+    slot_services: dict[str, pulumi.Input[str]]  # slot name -> its Service name
+
+
+def parent_ref(gateway: str) -> dict[str, str]:
+    """`namespace/name[/listener]` as an HTTPRoute parentRef."""
+    namespace, name, *listener = gateway.split("/")
+    ref = {"group": "gateway.networking.k8s.io", "kind": "Gateway", "namespace": namespace, "name": name}
+    if listener:
+        ref["sectionName"] = listener[0]
+    return ref
+
+
+class GatewayRouting(pulumi.ComponentResource):
+    """An HTTPRoute splitting the host between the slots' Services by weight."""
+
+    route: k8s.apiextensions.CustomResource
+    host: str | None
+    canary_weight: int
+
+    def __init__(self, name: str, args: GatewayRoutingArgs, opts: pulumi.ResourceOptions | None = None) -> None:
+        super().__init__("specdeploy:kubernetes:GatewayRouting", name, None, opts)
+        config = args.config
+        spec = kubernetes_spec(config)
+        if spec.gateway is None:
+            raise ValueError("kubernetes.gateway (namespace/name) is required when kubernetes.routing is gateway-api")
+        # An HTTPRoute has no portable source filter: refuse to pretend the allow-list is enforced.
+        if not OPEN_CIDRS & set(config.access.allowed_cidrs):
+            raise ValueError(
+                "access.allowed_cidrs cannot be enforced by an HTTPRoute (kubernetes.routing gateway-api): "
+                "restrict sources on the Gateway and set access.allowed_cidrs to [0.0.0.0/0]"
+            )
+        split = traffic_split(config, args.slot_services)
+        self.host = config.access.domain
+        self.canary_weight = split.canary_weight
+
+        port = config.service.port
+        backends: list[dict[str, Any]] = [
+            {"name": split.active_service, "port": port, "weight": 100 - split.canary_weight}]
+        if split.idle_service is not None:
+            backends.append({"name": split.idle_service, "port": port, "weight": split.canary_weight})
+        route_spec: dict[str, Any] = {
+            "parentRefs": [parent_ref(spec.gateway)],
+            "rules": [{
+                "matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
+                "backendRefs": backends,
+                # Above the server's own request timeout, which answers 504 itself.
+                "timeouts": {"request": f"{int(config.scheduler.request_timeout_s) + 30}s"},
+            }],
+        }
+        if self.host:
+            route_spec["hostnames"] = [self.host]
+        self.route = k8s.apiextensions.CustomResource(
+            f"{name}-http-route",
+            api_version=GATEWAY_API,
+            kind="HTTPRoute",
+            metadata={"name": "specdeploy", "namespace": args.namespace, "labels": app_labels("routing")},
+            spec=route_spec,
+            opts=pulumi.ResourceOptions(parent=self),
+        )
+
+        self.register_outputs({"host": self.host, "canary_weight": self.canary_weight})

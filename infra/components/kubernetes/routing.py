@@ -1,0 +1,134 @@
+"""Weighted blue/green routing with ingress-nginx: a primary Ingress and a canary Ingress.
+
+The primary Ingress sends traffic to the active slot's Service. When the idle slot
+exists, a second Ingress for the same host and path carries ingress-nginx's canary
+annotations and receives ``canary_weight`` percent of requests. Shifting traffic is
+one annotation change (``specdeploy rollout`` / ``rollback`` patch it, the stack file
+records it); a rollback needs no pod to start. Why ingress-nginx rather than a
+Gateway API HTTPRoute: docs/kubernetes.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pulumi
+import pulumi_kubernetes as k8s
+
+from infra.components.kubernetes.common import HTTP_PORT_NAME, SLOT_LABEL, app_labels, kubernetes_spec
+from infra.config import StackConfig
+
+NGINX = "nginx.ingress.kubernetes.io"
+CANARY_WEIGHT_ANNOTATION = f"{NGINX}/canary-weight"
+OPEN_CIDRS = frozenset({"0.0.0.0/0", "::/0"})
+
+
+@dataclass(frozen=True)
+class WeightedRoutingArgs:
+    config: StackConfig  # access (domain, CIDRs), release (active slot, canary weight), kubernetes
+    namespace: pulumi.Input[str]
+    slot_services: dict[str, pulumi.Input[str]]  # slot name -> its Service name
+
+
+@dataclass(frozen=True)
+class TrafficSplit:
+    """Which Service takes the traffic and how much goes to the idle slot's."""
+
+    active_service: pulumi.Input[str]
+    idle_service: pulumi.Input[str] | None  # None while the stack defines one slot
+    canary_weight: int  # percent on the idle slot; 0 without one
+
+
+def traffic_split(config: StackConfig, slot_services: dict[str, pulumi.Input[str]]) -> TrafficSplit:
+    """The release section applied to the slots that have a Service; shared by both routing modes."""
+    release = config.slots
+    if release.active not in slot_services:
+        raise ValueError(f"release.active is {release.active!r} but that slot has no Service")
+    idle = release.idle_slot
+    idle_service = slot_services.get(idle) if idle else None
+    if release.canary_weight and idle_service is None:
+        raise ValueError("release.canary_weight > 0 needs both slots defined")
+    weight = release.canary_weight if idle_service is not None else 0
+    return TrafficSplit(slot_services[release.active], idle_service, weight)
+
+
+def _primary_annotations(config: StackConfig) -> dict[str, str]:
+    timeout = str(int(config.scheduler.request_timeout_s) + 30)
+    annotations = {
+        # Streamed completions (SSE) must reach the client token by token.
+        f"{NGINX}/proxy-buffering": "off",
+        f"{NGINX}/proxy-read-timeout": timeout,
+        f"{NGINX}/proxy-send-timeout": timeout,
+    }
+    cidrs = config.access.allowed_cidrs
+    if not OPEN_CIDRS & set(cidrs):
+        annotations[f"{NGINX}/whitelist-source-range"] = ",".join(cidrs)
+    if config.kubernetes and config.kubernetes.tls_secret:
+        annotations[f"{NGINX}/ssl-redirect"] = "true"
+    return annotations
+
+
+class WeightedRouting(pulumi.ComponentResource):
+    """Primary Ingress to the active slot; canary Ingress to the idle slot when it is defined."""
+
+    primary: k8s.networking.v1.Ingress
+    canary: k8s.networking.v1.Ingress | None
+    host: str | None
+    canary_weight: int
+
+    def __init__(self, name: str, args: WeightedRoutingArgs, opts: pulumi.ResourceOptions | None = None) -> None:
+        super().__init__("specdeploy:kubernetes:WeightedRouting", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        config = args.config
+        spec = kubernetes_spec(config)
+        split = traffic_split(config, args.slot_services)
+        self.host = config.access.domain
+        self.canary_weight = split.canary_weight
+
+        def ingress_spec(service: pulumi.Input[str]) -> k8s.networking.v1.IngressSpecArgsDict:
+            rule: k8s.networking.v1.IngressRuleArgsDict = {"http": {"paths": [{
+                "path": "/",
+                "path_type": "Prefix",
+                "backend": {"service": {"name": service, "port": {"name": HTTP_PORT_NAME}}},
+            }]}}
+            if self.host:
+                rule["host"] = self.host
+            result: k8s.networking.v1.IngressSpecArgsDict = {"ingress_class_name": spec.ingress_class, "rules": [rule]}
+            if spec.tls_secret:
+                tls: k8s.networking.v1.IngressTLSArgsDict = {"secret_name": spec.tls_secret}
+                if self.host:
+                    tls["hosts"] = [self.host]
+                result["tls"] = [tls]
+            return result
+
+        self.primary = k8s.networking.v1.Ingress(
+            f"{name}-ingress",
+            metadata={
+                "name": "specdeploy",
+                "namespace": args.namespace,
+                "labels": app_labels("routing"),
+                "annotations": _primary_annotations(config),
+            },
+            spec=ingress_spec(split.active_service),
+            opts=child,
+        )
+
+        self.canary = None
+        if split.idle_service is not None:
+            self.canary = k8s.networking.v1.Ingress(
+                f"{name}-canary-ingress",
+                metadata={
+                    "name": "specdeploy-canary",
+                    "namespace": args.namespace,
+                    "labels": {**app_labels("routing"), SLOT_LABEL: str(config.slots.idle_slot)},
+                    "annotations": {
+                        f"{NGINX}/canary": "true",
+                        CANARY_WEIGHT_ANNOTATION: str(self.canary_weight),
+                        f"{NGINX}/canary-weight-total": "100",
+                    },
+                },
+                spec=ingress_spec(split.idle_service),
+                opts=child,
+            )
+
+        self.register_outputs({"host": self.host, "canary_weight": self.canary_weight})

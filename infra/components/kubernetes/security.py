@@ -1,0 +1,83 @@
+"""Who may reach the server pods, and how many may be evicted at once.
+
+The NetworkPolicy admits traffic to the server port only from the ingress
+controller's namespace and from Prometheus' namespace; everything else in the
+cluster is refused. Egress stays open: the weight pull needs the object store,
+whose address (S3, MinIO, a VPC endpoint) a policy cannot know in advance.
+A PodDisruptionBudget per slot lets node drains take one pod at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pulumi
+import pulumi_kubernetes as k8s
+
+from infra.components.kubernetes.common import (
+    app_labels,
+    kubernetes_spec,
+    metadata_name,
+    server_selector,
+    slot_labels,
+    slot_object_name,
+)
+from infra.config import StackConfig
+
+
+@dataclass(frozen=True)
+class ServingGuardsArgs:
+    config: StackConfig  # kubernetes (namespaces of ingress and Prometheus), service (port)
+    namespace: pulumi.Input[str]
+    slots: list[str]  # the slots that have a Deployment
+
+
+def _from_namespace(namespace: str) -> k8s.networking.v1.NetworkPolicyPeerArgsDict:
+    # `kubernetes.io/metadata.name` is set by the API server on every namespace (1.22+): it cannot be spoofed
+    # by someone labelling their own namespace.
+    return {"namespace_selector": {"match_labels": {"kubernetes.io/metadata.name": namespace}}}
+
+
+class ServingGuards(pulumi.ComponentResource):
+    """NetworkPolicy for all server pods and a PodDisruptionBudget per slot."""
+
+    network_policy: k8s.networking.v1.NetworkPolicy
+    disruption_budgets: dict[str, k8s.policy.v1.PodDisruptionBudget]
+
+    def __init__(self, name: str, args: ServingGuardsArgs, opts: pulumi.ResourceOptions | None = None) -> None:
+        super().__init__("specdeploy:kubernetes:ServingGuards", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        spec = kubernetes_spec(args.config)
+        port: list[k8s.networking.v1.NetworkPolicyPortArgsDict] = [
+            {"protocol": "TCP", "port": args.config.service.port}
+        ]
+
+        self.network_policy = k8s.networking.v1.NetworkPolicy(
+            f"{name}-network-policy",
+            metadata={"name": "specdeploy-server", "namespace": args.namespace, "labels": app_labels("security")},
+            spec={
+                "pod_selector": {"match_labels": server_selector()},
+                "policy_types": ["Ingress"],
+                "ingress": [
+                    {"from_": [_from_namespace(spec.ingress_namespace)], "ports": port},
+                    {"from_": [_from_namespace(spec.prometheus_namespace)], "ports": port},
+                ],
+            },
+            opts=child,
+        )
+
+        self.disruption_budgets = {}
+        for slot in sorted(args.slots):
+            self.disruption_budgets[slot] = k8s.policy.v1.PodDisruptionBudget(
+                f"{name}-{slot}-pdb",
+                metadata={"name": slot_object_name(slot), "namespace": args.namespace, "labels": slot_labels(slot)},
+                spec={
+                    "max_unavailable": 1,
+                    "selector": {"match_labels": server_selector(slot)},
+                    # A pod that never became ready must not block a node drain.
+                    "unhealthy_pod_eviction_policy": "AlwaysAllow",
+                },
+                opts=child,
+            )
+
+        self.register_outputs({"network_policy": metadata_name(self.network_policy)})

@@ -1,0 +1,182 @@
+"""`specdeploy bench engine`: our engine's throughput against transformers, printed as JSON and a table.
+
+`bench server` (HTTP vs engine) is registered here too, from the server's own bench_server module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from infra.ops.cli.main import CommandError
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("bench", help="benchmark the serving engine")
+    actions = parser.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+
+    engine = actions.add_parser(
+        "engine",
+        help="tokens/s of the engine at several concurrencies vs transformers generate / generate_batch",
+        description="One run on fixed prompts with a fixed output length (EOS ignored, greedy). "
+        "Default model: the bundled demo target.",
+    )
+    engine.add_argument("--model", type=Path, help="model directory (default: the demo target)")
+    engine.add_argument("--concurrency", default="1,4,16,32", help="comma-separated list (default 1,4,16,32)")
+    engine.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
+    engine.add_argument("--threads", type=int, default=1,
+                        help="torch threads for every system measured (default 1: fastest for small models "
+                             "on a shared CPU)")
+    engine.add_argument("--device", default="cpu", help="cpu or cuda")
+    engine.add_argument("--no-baselines", action="store_true", help="skip the transformers baselines")
+    engine.add_argument("--profile", action="store_true", help="append a torch.profiler op table")
+    engine.add_argument("--repeats", type=int, default=2,
+                        help="rounds over every system and concurrency, back to back; the best counts (default 2)")
+    engine.add_argument("--json-out", type=Path, help="also write the JSON report to this file")
+    engine.set_defaults(func=_bench_engine)
+
+    spec = actions.add_parser(
+        "spec",
+        help="speculative decoding: c=1 latency/tokens/s (off, draft, n-gram, transformers assisted/lookup) and "
+             "spec-on / spec-off throughput across concurrency",
+        description="One run, greedy, fixed output length, held-out demo code prompts. Default pair: the demo "
+        "target and draft.",
+    )
+    spec.add_argument("--target", type=Path, help="target model directory (default: the demo target)")
+    spec.add_argument("--draft", type=Path, help="draft model directory (default: the demo draft)")
+    spec.add_argument("--concurrency", default="1,4,16,64", help="comma-separated list (default 1,4,16,64)")
+    spec.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
+    spec.add_argument("--prompts", type=int, default=8, help="held-out code prompts used (default 8)")
+    spec.add_argument("--k", type=int, default=8,
+                      help="largest number of draft tokens per step; the adaptive policy picks 0..k (default 8)")
+    spec.add_argument("--threads", type=int, default=1, help="torch threads for every system measured")
+    spec.add_argument("--no-baselines", action="store_true", help="skip transformers assisted generation")
+    spec.add_argument("--repeats", type=int, default=2,
+                      help="throughput runs per system and concurrency, interleaved; the best counts (default 2)")
+    spec.add_argument("--json-out", type=Path, help="also write the JSON report to this file")
+    spec.set_defaults(func=_bench_spec)
+
+    try:  # `bench server` (HTTP vs engine) belongs to the server and lives beside this module
+        from infra.ops.cli.bench_server import register_server
+    except ImportError:
+        return
+    register_server(actions)
+
+
+def _model_dir(arg: Path | None, which: str = "target") -> Path:
+    if arg is not None:
+        path = arg
+    else:
+        from serving.demo import draft_path, target_path
+
+        path = target_path() if which == "target" else draft_path()
+    if not (path / "config.json").is_file():
+        flag = {"target": "--model/--target", "draft": "--draft"}[which]
+        raise CommandError(f"no {which} model at {path} (config.json missing); pass {flag} DIR")
+    return path
+
+
+def _concurrencies(text: str) -> list[int]:
+    try:
+        concurrencies = sorted({int(c) for c in text.split(",") if c.strip()})
+    except ValueError as exc:
+        raise CommandError(f"--concurrency must be integers separated by commas: {exc}") from exc
+    if not concurrencies or min(concurrencies) < 1:
+        raise CommandError("--concurrency needs at least one positive integer")
+    return concurrencies
+
+
+def _bench_engine(args: argparse.Namespace) -> int:
+    from serving.engine.benchmark import run_engine_benchmark
+
+    concurrencies = _concurrencies(args.concurrency)
+    report = run_engine_benchmark(_model_dir(args.model), concurrencies, args.output_len, args.threads,
+                                  baselines=not args.no_baselines, profile=args.profile, device=args.device,
+                                  repeats=args.repeats)
+    data = report.to_dict()
+    profile = data.pop("profile")
+    text = json.dumps(data, indent=2)
+    sys.stdout.write(text + "\n")
+    if args.json_out:
+        args.json_out.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    _print_table(report, concurrencies)
+    if profile:
+        sys.stdout.write("\n" + profile + "\n")
+    return 0
+
+
+def _bench_spec(args: argparse.Namespace) -> int:
+    from serving.engine.spec.benchmark import run_spec_benchmark
+
+    report = run_spec_benchmark(_model_dir(args.target), _model_dir(args.draft, "draft"),
+                                _concurrencies(args.concurrency), args.output_len, args.prompts, args.k,
+                                args.threads, baselines=not args.no_baselines, repeats=max(args.repeats, 1))
+    text = json.dumps(report.to_dict(), indent=2)
+    sys.stdout.write(text + "\n")
+    if args.json_out:
+        args.json_out.write_text(text + "\n")
+    _print_spec_tables(report)
+    return 0
+
+
+def _print_spec_tables(report: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=sys.stdout, width=120)
+    c1 = Table(title=f"c=1, {report.prompts} held-out code prompts, {report.output_len} tokens each, greedy, "
+                     f"k <= {report.num_draft_tokens}")
+    for col in ("system", "tokens/s", "P50 s", "P99 s", "acceptance", "mean accepted length"):
+        c1.add_column(col, justify="left" if col == "system" else "right")
+    for r in report.c1:
+        c1.add_row(r.system, "failed" if r.note else f"{r.tokens_per_s:,.1f}", f"{r.p50_latency_s:.2f}",
+                   f"{r.p99_latency_s:.2f}", "" if r.acceptance_rate is None else f"{r.acceptance_rate:.2f}",
+                   "" if r.mean_accepted_length is None else f"{r.mean_accepted_length:.2f}")
+    console.print(c1)
+    ceiling = report.ceiling
+    if ceiling:
+        ms = {name: value * 1e3 for name, value in ceiling.items() if name.endswith("_s")}
+        console.print(f"ceiling at full acceptance: draft {ceiling['draft_ceiling_speedup']:.2f}x, n-gram "
+                      f"{ceiling['ngram_ceiling_speedup']:.2f}x (decode {ms['target_decode_step_s']:.1f} ms, "
+                      f"verify k+1 {ms['target_verify_step_s']:.1f} ms, draft step {ms['draft_step_s']:.1f} ms)")
+    tp = Table(title="throughput, spec on / spec off (adaptive k, best of interleaved repeats)")
+    for col in ("c", "off tok/s", "draft tok/s", "n-gram tok/s", "draft on/off", "n-gram on/off", "draft k chosen"):
+        tp.add_column(col, justify="right")
+    for r in report.throughput:
+        tp.add_row(str(r.concurrency), f"{r.spec_off_tokens_per_s:,.0f}", f"{r.spec_draft_tokens_per_s:,.0f}",
+                   f"{r.spec_ngram_tokens_per_s:,.0f}", f"{r.draft_on_over_off:.2f}", f"{r.ngram_on_over_off:.2f}",
+                   " ".join(f"{k}:{v}" for k, v in sorted(r.draft_k_histogram.items())))
+    console.print(tp)
+    for name, value in report.ratios.items():
+        console.print(f"{name}: {value:.2f}")
+    console.print(f"greedy output identical with spec off / draft / n-gram: {report.greedy_identical}")
+
+
+def _print_table(report: Any, concurrencies: list[int]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"tokens/s — {report.model} ({report.device}, {report.dtype}, {report.threads} thread(s), "
+                        f"{report.output_len} tokens per request, best of {report.repeats} rounds)")
+    table.add_column("system")
+    for c in concurrencies:
+        table.add_column(f"c={c}", justify="right")
+    for system in ("engine", "hf_generate", "hf_generate_padded", "hf_generate_batch"):
+        cells = []
+        for c in concurrencies:
+            match = [r for r in report.results if r.system == system and r.concurrency == c]
+            if not match:
+                cells.append("")
+            elif match[0].note:
+                cells.append("failed")
+            else:
+                cells.append(f"{match[0].tokens_per_s:,.0f}")
+        if any(cells):
+            table.add_row(system, *cells)
+    console = Console(file=sys.stdout, width=120)
+    console.print(table)
+    for name, value in report.ratios.items():
+        console.print(f"{name}: {value:.2f}x")

@@ -1,0 +1,302 @@
+"""`specdeploy rollout` and `specdeploy rollback`: blue/green traffic with gates, and the way back.
+
+The machinery lives in ``infra.ops.release``; this module parses options, connects it
+to the stack's platform (ALB + CloudWatch on aws, ingress-nginx + Prometheus on
+kubernetes) and prints what the operator must do next. boto3 and the release
+modules are imported only when a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from infra.ops.cli.main import CommandError
+
+if TYPE_CHECKING:
+    from infra.config import StackFile
+    from infra.ops.release.rollout import Outcome, Release
+    from infra.ops.release.targets import TargetOptions
+    from infra.ops.release.traffic import AlarmSource
+
+DEFAULT_STATE_DIR = Path(".specdeploy") / "release"
+
+
+def register(subparsers: Any) -> None:
+    rollout = subparsers.add_parser(
+        "rollout", help="shift traffic to the idle slot step by step, watching gates; roll back on a breach",
+        description="Check the idle slot is deployed and ready, launch-validate it alone (quick profile), shift "
+                    "traffic step by step while watching the stack's alarms and the slot's error rate and P99, "
+                    "roll back automatically on any breach; at the end update the stack file.",
+    )
+    rollout.add_argument("--stack", required=True, help="stack name, e.g. prod")
+    rollout.add_argument("--to", required=True, choices=("blue", "green"), help="the slot to roll out")
+    rollout.add_argument("--steps", default="10,50,100", help="percent on the new slot per step (default 10,50,100)")
+    rollout.add_argument("--observe", default="10m", help="observe window per step, e.g. 30s, 10m (default 10m)")
+    rollout.add_argument("--poll", default="10s", help="how often gates are checked within a window (default 10s)")
+    rollout.add_argument("--min-requests", type=int, default=20,
+                         help="requests a window needs before error rate and P99 are judged (default 20)")
+    rollout.add_argument("--resume", action="store_true", help="continue an interrupted rollout from its last step")
+    rollout.add_argument("--skip-validation", action="store_true",
+                         help="do not run the launch validation (only if the slot was validated by hand)")
+    rollout.add_argument("--slot-endpoint", action="append", default=[], metavar="URL",
+                         help="base URL reaching the new slot alone (repeatable; default $SPECDEPLOY_<SLOT>_ENDPOINT, "
+                              "else the healthy targets of its target group)")
+    rollout.add_argument("--validation-hosts", type=lambda v: [h for h in v.split(",") if h], metavar="SPECS",
+                         help="testinfra backends of the new slot's hosts for the host checks, comma separated "
+                              "(e.g. ssh://ubuntu@10.0.1.23)")
+    rollout.add_argument("--report-dir", type=Path, help="launch validation report (default reports/release/...)")
+    _add_target_options(rollout)
+    rollout.set_defaults(func=_rollout)
+
+    rollback = subparsers.add_parser(
+        "rollback", help="move all traffic back to the previous slot at once, then update the stack file",
+        description="Move all traffic to the previous slot in one API call (the slot an interrupted rollout "
+                    "started from; otherwise the idle slot, or the active one when a canary is committed), write "
+                    "the stack file to match and print (or, with a Pulumi CLI, run) the reconciling `pulumi up`.",
+    )
+    rollback.add_argument("--stack", required=True, help="stack name, e.g. prod")
+    rollback.add_argument("--to", choices=("blue", "green"), help="the slot to return to (default: the previous one)")
+    rollback.add_argument("--force", action="store_true",
+                          help="roll back even when the previous slot reports nothing ready")
+    rollback.add_argument("--no-pulumi-up", action="store_true",
+                          help="only print the `pulumi up` command, even when a Pulumi CLI is installed")
+    _add_target_options(rollback)
+    rollback.set_defaults(func=_rollback)
+
+
+def _add_target_options(parser: argparse.ArgumentParser) -> None:
+    aws = parser.add_argument_group("aws (default: the stack's outputs when a Pulumi CLI is installed)")
+    aws.add_argument("--listener-arn", help="ALB listener with the weighted forward (or $SPECDEPLOY_LISTENER_ARN)")
+    aws.add_argument("--target-group", action="append", default=[], metavar="SLOT=ARN",
+                     help="target group of a slot, e.g. green=arn:... (or $SPECDEPLOY_<SLOT>_TARGET_GROUP_ARN)")
+    aws.add_argument("--alarm", action="append", default=[], metavar="NAME", help="alarm to watch (repeatable)")
+    aws.add_argument("--alarm-prefix", help="the stack's alarms are PREFIX<RuleName> (default '<stack>-', "
+                                            "or $SPECDEPLOY_ALARM_PREFIX)")
+    aws.add_argument("--region", help="AWS region (default: the stack's aws:region)")
+    k8s = parser.add_argument_group("kubernetes")
+    k8s.add_argument("--namespace", help="namespace of the slots (default: the stack's kubernetes.namespace)")
+    k8s.add_argument("--kubeconfig", help="kubeconfig file (default $KUBECONFIG, ~/.kube/config, or in-cluster)")
+    k8s.add_argument("--context", dest="kube_context", help="kubeconfig context (default: current)")
+    k8s.add_argument("--prometheus-url", help="Prometheus whose alerts gate the rollout ($SPECDEPLOY_PROMETHEUS_URL)")
+    parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
+                        help="rollout state and JSON-lines step log (default .specdeploy/release)")
+    parser.add_argument("--stacks-dir", type=Path, help=argparse.SUPPRESS)
+
+
+def _say(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def _rollout(args: argparse.Namespace) -> int:
+    from infra.ops.release import validation
+    from infra.ops.release.gates import GateThresholds, GateWatcher, SlotMetrics, http_fetch
+    from infra.ops.release.kubernetes import IngressCanaryRouter
+    from infra.ops.release.model import ReleaseError, parse_duration, parse_steps
+    from infra.ops.release.rollout import rollout
+
+    try:
+        steps = parse_steps(args.steps)
+        observe_s = parse_duration(args.observe)
+        poll_s = parse_duration(args.poll)
+        stack = _load(args)
+        options = _options(args)
+        release, alarms, endpoints = _connect(stack, options, args, slot=args.to, with_alarms=True)
+        endpoints = endpoints or release.router.slot_status(args.to).endpoints
+        metrics = SlotMetrics(endpoints, http_fetch(os.environ.get("SPECDEPLOY_API_KEY"))) if endpoints else None
+        if metrics is None and isinstance(release.router, IngressCanaryRouter) and \
+                not stack.config.service.metrics_require_auth:
+            # No port-forward needed: read every pod of the slot through the API server's proxy.
+            router, port = release.router, stack.config.service.port
+            metrics = SlotMetrics(lambda: router.pod_proxies(args.to, port), router.api.get_text)
+            release.log.write("metrics_via_api_proxy", slot=args.to)
+        if metrics is None:
+            release.log.write("metrics_gate_off", slot=args.to, reason="no endpoint reaches the slot alone")
+            _say(f"warning: no endpoint for {args.to}: error-rate/P99 gate off, alarms only (pass --slot-endpoint)")
+        gates = GateWatcher(alarms, metrics, GateThresholds.from_stack(stack.config, args.min_requests),
+                            release.log, poll_s=poll_s, say=_say)
+        report_dir = args.report_dir or Path("reports") / "release" / f"{stack.name}-{args.to}-{int(time.time())}"
+        _say(f"rollout {stack.name}: {args.to} in steps {','.join(map(str, steps))}% observing {args.observe} each "
+             f"via {release.router.description}; log {release.log.path}")
+        try:
+            outcome = rollout(release, args.to, steps, observe_s, gates,
+                              None if args.skip_validation else validation.launch_validator(args.validation_hosts),
+                              endpoints, report_dir, resume=args.resume)
+        except KeyboardInterrupt:
+            release.log.write("interrupted", slot=args.to)
+            _say(f"interrupted; traffic stays where it is. Continue: specdeploy rollout --stack {stack.name} "
+                 f"--to {args.to} --resume   or go back: specdeploy rollback --stack {stack.name}")
+            raise
+    except ReleaseError as exc:
+        raise CommandError(str(exc)) from None
+    except _cloud_errors() as exc:
+        raise CommandError(f"AWS API: {exc}") from None
+    if not outcome.ok:
+        _say(f"{'rolled back' if outcome.rolled_back else 'stopped before any traffic moved'}: {outcome.reason}")
+        _say(f"all traffic is on {outcome.active} ({_weights(outcome.weights)}); details in {release.log.path}")
+        _print_commit(stack, outcome, f"release({stack.name}): {outcome.active} stays active, {args.to} rolled back")
+        return 1
+    _say(f"rollout complete: {_weights(outcome.weights)}")
+    _print_commit(stack, outcome, f"release({stack.name}): {outcome.active} active")
+    return 0
+
+
+def _rollback(args: argparse.Namespace) -> int:
+    from infra.ops.release.model import ReleaseError
+    from infra.ops.release.rollout import rollback
+
+    try:
+        stack = _load(args)
+        release, _, _ = _connect(stack, _options(args), args, slot=None, with_alarms=False)
+        outcome = rollback(release, args.to, force=args.force)
+    except ReleaseError as exc:
+        raise CommandError(str(exc)) from None
+    except _cloud_errors() as exc:
+        raise CommandError(f"AWS API: {exc}") from None
+    _say(f"rolled back: all traffic on {outcome.active} ({_weights(outcome.weights)}) via {release.router.description}")
+    _print_commit(stack, outcome, f"release({stack.name}): roll back to {outcome.active}")
+    reconcile(stack.name, run=not args.no_pulumi_up)
+    return 0
+
+
+def _cloud_errors() -> tuple[type[Exception], ...]:
+    """botocore's errors (no credentials, access denied, unreachable endpoint), when boto3 is in use."""
+    if "botocore" not in sys.modules:
+        return ()
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    return (BotoCoreError, ClientError)
+
+
+def reconcile(stack: str, run: bool) -> None:
+    """Print the `pulumi up` that makes the infrastructure agree; run it when a Pulumi CLI is installed."""
+    command = f"pulumi up --stack {stack}"
+    if not run or shutil.which("pulumi") is None:
+        _say(f"then reconcile: {command}")
+        return
+    from pulumi import automation
+
+    from infra.config import REPO_ROOT
+
+    _say(f"running {command} (Automation API) ...")
+    selected = automation.select_stack(stack_name=stack, work_dir=str(REPO_ROOT))
+    result = selected.up(on_output=lambda line: sys.stdout.write(line))
+    _say(f"pulumi up: {result.summary.result}")
+
+
+def _load(args: argparse.Namespace) -> StackFile:
+    from infra.config import load_stack
+    from serving.config import ConfigError
+
+    try:
+        return load_stack(args.stack, args.stacks_dir)
+    except ConfigError as exc:
+        raise CommandError(str(exc)) from None
+
+
+def _options(args: argparse.Namespace) -> TargetOptions:
+    from infra.ops.release.targets import TargetOptions, parse_target_groups
+
+    return TargetOptions(
+        listener_arn=args.listener_arn,
+        target_groups=parse_target_groups(args.target_group),
+        alarm_names=args.alarm,
+        alarm_prefix=args.alarm_prefix,
+        region=args.region,
+        slot_endpoints=getattr(args, "slot_endpoint", []),
+        namespace=args.namespace,
+        kubeconfig=args.kubeconfig,
+        kube_context=args.kube_context,
+        prometheus_url=args.prometheus_url,
+    )
+
+
+def _connect(stack: StackFile, options: TargetOptions, args: argparse.Namespace, slot: str | None,
+             with_alarms: bool) -> tuple[Release, AlarmSource | None, list[str]]:
+    """The stack's router, alarm source and slot endpoints, from options, environment and stack outputs."""
+    from infra.ops.release import targets
+    from infra.ops.release.model import ReleaseError
+    from infra.ops.release.rollout import Release
+    from infra.ops.release.state import StateStore, StepLog
+
+    platform = stack.config.platform
+    if platform == "local":
+        raise ReleaseError(f"stack {stack.name} is platform local: one server, no blue/green slots to shift between")
+    env = targets.environ()
+    outputs = targets.stack_outputs(stack.name)
+    log = StepLog(args.state_dir / f"{stack.name}.jsonl", stack.name)
+    alarms: AlarmSource | None = None
+    if platform == "aws":
+        from infra.ops.release import aws
+
+        region = options.region or stack.providers.get("aws:region")
+        elbv2 = aws.client("elbv2", region)
+        router: Any = aws.AlbRouter(elbv2, targets.listener_arn(options, outputs, env),
+                                    targets.target_groups(options, outputs, env), ec2=aws.client("ec2", region),
+                                    server_port=stack.config.service.port)
+        if with_alarms:
+            alarms = _cloudwatch_alarms(stack, options, outputs, env, aws.client("cloudwatch", region))
+    else:
+        from infra.ops.release import kubernetes
+
+        spec = stack.config.kubernetes
+        namespace = options.namespace or outputs.get(targets.OUT_NAMESPACE) or (spec.namespace if spec else None)
+        api = kubernetes.KubeApi.from_environment(Path(options.kubeconfig) if options.kubeconfig else None,
+                                                  options.kube_context)
+        router = kubernetes.IngressCanaryRouter(api, str(namespace))
+        prometheus = options.prometheus_url or env.get(targets.ENV_PROMETHEUS_URL)
+        if with_alarms and prometheus:
+            from infra.alerts import alert_rules
+
+            names = targets.alarm_names(options, outputs, targets.OUT_ALERT_NAMES) or \
+                [rule.name for rule in alert_rules(stack.config)]
+            alarms = kubernetes.PrometheusAlerts(prometheus, names)
+        elif with_alarms:
+            log.write("alarm_gate_off", reason="no Prometheus URL")
+            _say("warning: no --prometheus-url: the stack's alerts are not watched, only the slot's metrics")
+    if alarms is not None:
+        log.write("alarms", watched=alarms.watched())
+    release = Release(stack, router, StateStore(args.state_dir, stack.name), log, say=_say)
+    endpoints = targets.slot_endpoints(slot, options, env) if slot else []
+    return release, alarms, endpoints
+
+
+def _cloudwatch_alarms(stack: StackFile, options: TargetOptions, outputs: dict[str, Any], env: Any,
+                       cloudwatch: Any) -> AlarmSource:
+    from infra.alerts import alert_rules
+    from infra.ops.release import aws, targets
+    from infra.ops.release.model import ReleaseError
+
+    names = targets.alarm_names(options, outputs, targets.OUT_ALARM_NAMES)
+    if names is None:
+        prefix = options.alarm_prefix or env.get(targets.ENV_ALARM_PREFIX) or f"{stack.name}-"
+        names = aws.alarm_names(alert_rules(stack.config), prefix)
+    source = aws.CloudWatchAlarms(cloudwatch, names)
+    missing = source.missing()
+    if missing:
+        raise ReleaseError(f"alarm(s) not found in CloudWatch: {', '.join(missing)}; "
+                           "pass --alarm NAME (repeatable) or --alarm-prefix")
+    return source
+
+
+def _weights(weights: dict[str, int]) -> str:
+    return ", ".join(f"{slot} {percent}%" for slot, percent in sorted(weights.items()))
+
+
+def _print_commit(stack: StackFile, outcome: Outcome, message: str) -> None:
+    path = stack.path
+    try:
+        shown = path.resolve().relative_to(Path.cwd().resolve())
+    except ValueError:
+        shown = path
+    if not outcome.stack_file_changed:
+        _say(f"{shown} already says so; nothing to commit")
+        return
+    _say(f"{shown} updated (specdeploy:release only). Commit it so the next `pulumi up` agrees:")
+    _say(f"  git add {shown} && git commit -m \"{message}\"")

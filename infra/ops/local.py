@@ -1,0 +1,303 @@
+"""The local platform: the whole chain on this machine, no cloud.
+
+``up``: push the model pair to the stack's file:// store → pull and verify into the state
+directory → render the server config from the stack → start ``specdeploy serve`` in the
+background on loopback (pid and log under the state directory) → wait for /ready.
+``down``: SIGTERM (the server drains), wait, and clean up. ``status``: process, /health, /ready.
+
+Relative paths in the stack file (state_dir, file:// URIs) are relative to the repository
+checkout, i.e. the parent of the stacks directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from infra.config import SECRET_MASK, StackConfig, StackFile, render_server_config
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 600.0
+LOG_TAIL_LINES = 30
+
+
+NOBODY = 65534  # uid/gid the local server drops to when started by root
+
+
+class LocalError(Exception):
+    """A local deployment step failed; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class LocalPaths:
+    state_dir: Path
+
+    @property
+    def pid_file(self) -> Path:
+        return self.state_dir / "server.pid"
+
+    @property
+    def log_file(self) -> Path:
+        return self.state_dir / "server.log"
+
+    @property
+    def server_config(self) -> Path:
+        return self.state_dir / "server.yaml"
+
+    @property
+    def api_keys_file(self) -> Path:
+        return self.state_dir / "api_keys"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.state_dir / "models"
+
+
+@dataclass(frozen=True)
+class Status:
+    pid: int | None
+    running: bool
+    endpoint: str
+    health: dict[str, Any] | None
+    ready: dict[str, Any] | None
+
+    @property
+    def is_ready(self) -> bool:
+        return bool(self.ready and self.ready.get("status") == "ready")
+
+
+class LocalDeployment:
+    def __init__(self, stack: StackFile) -> None:
+        if stack.config.platform != "local":
+            raise LocalError(f"stack {stack.name!r} is platform {stack.config.platform!r}; "
+                             "use `pulumi up` for it (this command runs platform `local` stacks)")
+        self.stack = stack
+        self.config: StackConfig = stack.config
+        self.root = stack.path.resolve().parent.parent
+        self.paths = LocalPaths(self._local_path(self.config.local.state_dir))
+        self._process: subprocess.Popen[bytes] | None = None  # set when this object started the server
+
+    # ---- paths and URIs ----------------------------------------------------------------------------
+
+    def _local_path(self, value: str) -> Path:
+        path = Path(value)
+        return path if path.is_absolute() else self.root / path
+
+    def _absolute_uri(self, uri: str) -> str:
+        """file://relative → file:///<checkout>/relative, so nothing depends on the working directory."""
+        if uri.startswith("file://") and not uri.startswith("file:///"):
+            return f"file://{self.root / uri.removeprefix('file://')}"
+        return uri
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.config.local.host}:{self.config.service.port}"
+
+    # ---- up ----------------------------------------------------------------------------------------
+
+    def up(self, target_dir: Path, draft_dir: Path | None, progress: Any = None) -> Status:
+        current = self.status()
+        if current.running:
+            logger.info("already running (pid %s)", current.pid)
+            return current
+        self.paths.state_dir.mkdir(parents=True, exist_ok=True)
+        target_local = self._publish_and_fetch("target", self.config.model.source, target_dir, progress)
+        draft_local = None
+        if self._uses_draft():
+            assert self.config.draft is not None
+            draft_local = self._publish_and_fetch("draft", self.config.draft.source, draft_dir, progress)
+        self._write_api_keys()
+        server_config = render_server_config(
+            self.config,
+            model_path=str(target_local),
+            draft_path=str(draft_local) if draft_local else None,
+            host=self.config.local.host,
+            kv_cache_bytes=self.config.local.kv_cache_mb * 2**20,
+            api_keys_file=str(self.paths.api_keys_file),
+        )
+        self.paths.server_config.write_text(server_config.to_yaml())
+        self._start_server()
+        return self.wait_ready()
+
+    def _uses_draft(self) -> bool:
+        spec = self.config.speculative
+        return spec.enabled and spec.method == "draft" and self.config.draft is not None
+
+    def _publish_and_fetch(self, role: str, source: str, local_dir: Path | None, progress: Any) -> Path:
+        from serving.weights import WeightsError, pull, push
+
+        uri = self._absolute_uri(source)
+        try:
+            if uri.startswith("file://") and local_dir is not None:
+                if not (local_dir / "config.json").is_file():
+                    raise LocalError(f"{role} model: {local_dir} has no config.json (is the demo pair built?)")
+                push(local_dir, uri, progress=progress)
+            target = self.paths.models_dir / role
+            pull(uri, target, progress=progress)
+        except WeightsError as exc:
+            raise LocalError(f"{role} model: {exc}") from exc
+        return target
+
+    def _write_api_keys(self) -> None:
+        configured = self.config.api_keys
+        if configured and configured != SECRET_MASK:
+            content = "\n".join(item.strip() for item in configured.split(",") if item.strip()) + "\n"
+        elif self.paths.api_keys_file.is_file():
+            return  # keep the key generated by an earlier `up`
+        else:
+            content = f"local:sk-local-{secrets.token_urlsafe(24)}\n"
+        fd = os.open(self.paths.api_keys_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(content)
+
+    def api_key(self) -> str | None:
+        """The first key in the local key file (for the printed example)."""
+        try:
+            first = self.paths.api_keys_file.read_text().splitlines()[0]
+        except (OSError, IndexError):
+            return None
+        return first.split(":")[1] if ":" in first else None
+
+    def _start_server(self) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEPLOY")}
+        env["SPECDEPLOY_ENV"] = "production"
+        env["PYTHONUNBUFFERED"] = "1"
+        command = [sys.executable, "-m", "infra.ops.cli.main", "serve", "--config", str(self.paths.server_config)]
+        if os.geteuid() == 0 and shutil.which("setpriv"):
+            # Never serve as root, even locally (the launch checks fail a root server). The state dir
+            # stays root's: the unprivileged server keeps only the right to read it (the interpreter
+            # may also live under root's private home), and writes nothing there.
+            from infra.validation.local_server import run_as
+
+            command = [*run_as(NOBODY, NOBODY, read_anywhere=True), *command]
+        with self.paths.log_file.open("ab") as log:
+            proc = subprocess.Popen(
+                command,
+                cwd=self.root, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,  # survives this command; `down` stops it
+            )
+        self._process = proc
+        self.paths.pid_file.write_text(f"{proc.pid}\n")
+        logger.info("server started (pid %d), log %s", proc.pid, self.paths.log_file)
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> Status:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = self.status()
+            if status.is_ready:
+                return status
+            if not status.running:
+                code = self._process.poll() if self._process is not None else None
+                raise LocalError(f"server (pid file {self.paths.pid_file}: {self._pid_text()}) is not running "
+                                 f"(exit code {code}); log {self.paths.log_file}:\n{self.log_tail()}")
+            reason = (status.ready or {}).get("reason", "")
+            if reason.startswith(("weights verification failed", "start-up failed")):
+                self.down()
+                raise LocalError(f"server refused readiness: {reason}")
+            if time.monotonic() > deadline:
+                raise LocalError(f"server not ready after {timeout_s:.0f}s ({reason or 'no answer'}); "
+                                 f"log {self.paths.log_file}:\n{self.log_tail()}")
+            time.sleep(0.25)
+
+    # ---- down / status -----------------------------------------------------------------------------
+
+    def down(self, timeout_s: float | None = None) -> bool:
+        """SIGTERM, wait for the drain, SIGKILL as a last resort. False when nothing was running."""
+        pid = self._live_pid()
+        if pid is None:
+            self.paths.pid_file.unlink(missing_ok=True)
+            return False
+        wait_s = timeout_s if timeout_s is not None else self.config.service.drain_grace_s + 15
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + wait_s
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _alive(pid):
+            logger.warning("server (pid %d) still running after %.0fs: killing it", pid, wait_s)
+            os.kill(pid, signal.SIGKILL)
+        self.paths.pid_file.unlink(missing_ok=True)
+        return True
+
+    def status(self) -> Status:
+        pid = self._live_pid()
+        health = ready = None
+        if pid is not None:
+            health = _get_json(f"{self.endpoint}/health")
+            ready = _get_json(f"{self.endpoint}/ready")
+        return Status(pid=pid, running=pid is not None, endpoint=self.endpoint, health=health, ready=ready)
+
+    def _live_pid(self) -> int | None:
+        try:
+            pid = int(self.paths.pid_file.read_text().strip())
+        except (OSError, ValueError):
+            return None
+        if self._process is not None and self._process.pid == pid:  # started by this object
+            return pid if self._process.poll() is None else None
+        if not _alive(pid) or not _is_our_server(pid, self.paths.server_config):
+            return None
+        return pid
+
+    def _pid_text(self) -> str:
+        try:
+            return self.paths.pid_file.read_text().strip()
+        except OSError:
+            return "missing"
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            return "\n".join(self.paths.log_file.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        waited, _ = os.waitpid(pid, os.WNOHANG)  # reap it if it is our own exited child
+        if waited == pid:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _is_our_server(pid: int, config_path: Path) -> bool:
+    """Guard against a recycled pid: the process must be `serve` with our config file."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return True  # no /proc (macOS): trust the pid file
+    return b"serve" in cmdline and str(config_path).encode() in cmdline
+
+
+def _get_json(url: str) -> dict[str, Any] | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            body: dict[str, Any] = json.loads(response.read())
+            return body
+    except urllib.error.HTTPError as exc:
+        try:
+            error_body: dict[str, Any] = json.loads(exc.read())
+            return error_body
+        except ValueError:
+            return None
+    except (OSError, ValueError):
+        return None

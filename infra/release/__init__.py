@@ -1,8 +1,0 @@
-"""Blue/green releases: traffic shifting with gates, automatic rollback, and the stack file.
-
-``specdeploy rollout`` / ``specdeploy rollback`` (``infra.cli.release_cmd``) drive
-:mod:`infra.release.rollout`; the platform-specific parts sit behind two small
-interfaces (:class:`~infra.release.traffic.TrafficRouter` and the gate sources)
-so the orchestration is the same for an ALB listener and an ingress-nginx canary.
-Nothing here is imported at CLI start: boto3 is imported only by ``aws``.
-"""

@@ -1,0 +1,7 @@
+"""`python -m serving`: run the inference server (see serving/cli.py)."""
+
+import sys
+
+from serving.cli import main
+
+sys.exit(main())

@@ -1,0 +1,154 @@
+"""PrometheusRule from the shared alert set, ServiceMonitor, Grafana dashboard ConfigMap."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pulumi
+import pytest
+
+from infra.alerts import alert_rules
+from infra.components.kubernetes.dashboard import serving_dashboard
+from infra.config import load_stack
+
+PROD = load_stack("k8s-prod").config
+RULES = alert_rules(PROD)
+EXPECTED_PANELS = {"Time to first token", "Time per output token", "Throughput", "Queue", "KV cache usage",
+                   "Speculative acceptance rate", "Errors"}
+
+
+def _rules(prod: Any) -> pulumi.Output[list[dict[str, Any]]]:
+    return prod().stack.observability.rule.spec.apply(lambda spec: spec["groups"][0]["rules"])
+
+
+def dashboard_queries() -> list[str]:
+    dashboard = serving_dashboard()
+    queries = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    queries += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
+    return queries
+
+
+@pulumi.runtime.test
+def test_rule_names_are_the_shared_alert_names(prod: Any) -> pulumi.Output[None]:
+    def check(rules: list[dict[str, Any]]) -> None:
+        assert [r["alert"] for r in rules] == [r.name for r in RULES]
+    return _rules(prod).apply(check)
+
+
+@pulumi.runtime.test
+def test_rule_expressions_and_durations_are_the_shared_ones(prod: Any) -> pulumi.Output[None]:
+    def check(rules: list[dict[str, Any]]) -> None:
+        assert [(r["expr"], r["for"]) for r in rules] == [(a.promql, f"{a.for_minutes}m") for a in RULES]
+    return _rules(prod).apply(check)
+
+
+@pulumi.runtime.test
+def test_rule_thresholds_come_from_the_stack(prod: Any) -> pulumi.Output[None]:
+    def check(rules: list[dict[str, Any]]) -> None:
+        by_name = {r["alert"]: r["expr"] for r in rules}
+        assert by_name["SpecdeployHighP99Ttft"].endswith("> 1.5")  # alerting.p99_ttft_s in k8s-prod
+        assert by_name["SpecdeployHighErrorRate"].endswith("> 0.01")
+        assert by_name["SpecdeployFleetBelowMinimum"].endswith("< 2")  # kubernetes.min_replicas
+        for rule, alert in zip(rules, RULES, strict=True):
+            assert rule["expr"].endswith(f"{alert.comparison} {alert.threshold:g}")
+    return _rules(prod).apply(check)
+
+
+@pulumi.runtime.test
+def test_every_rule_links_its_runbook(prod: Any) -> pulumi.Output[None]:
+    base = PROD.alerting.runbook_base_url
+
+    def check(rules: list[dict[str, Any]]) -> None:
+        for rule in rules:
+            assert rule["annotations"]["runbook_url"] == f"{base}/{rule['alert']}.md"
+            assert rule["annotations"]["runbook_url"] in rule["annotations"]["description"]
+    return _rules(prod).apply(check)
+
+
+@pulumi.runtime.test
+def test_rule_severity_labels_match_the_alert_set(prod: Any) -> pulumi.Output[None]:
+    def check(rules: list[dict[str, Any]]) -> None:
+        assert [r["labels"]["severity"] for r in rules] == [a.severity for a in RULES]
+    return _rules(prod).apply(check)
+
+
+@pulumi.runtime.test
+def test_rules_and_monitor_carry_the_prometheus_release_label(prod: Any) -> pulumi.Output[None]:
+    observability = prod().stack.observability
+
+    def check(metadata: Any) -> pulumi.Output[None]:
+        assert metadata["labels"]["release"] == "kube-prometheus-stack"
+        return observability.service_monitor.metadata.apply(
+            lambda m: None if m["labels"]["release"] == "kube-prometheus-stack" else pytest.fail(str(m)))
+    return observability.rule.metadata.apply(check)
+
+
+@pulumi.runtime.test
+def test_service_monitor_scrapes_the_slot_services_metrics_port(prod: Any) -> pulumi.Output[None]:
+    stack = prod().stack
+
+    def check(monitor: dict[str, Any]) -> pulumi.Output[None]:
+        [endpoint] = monitor["endpoints"]
+        assert (endpoint["port"], endpoint["path"]) == ("http", "/metrics")
+        assert monitor["namespaceSelector"] == {"matchNames": ["specdeploy"]}
+
+        def selects(service: Any) -> None:
+            assert monitor["selector"]["matchLabels"].items() <= service.labels.items()
+            assert "authorization" not in endpoint  # metrics_require_auth is false in k8s-prod
+        return stack.slots["blue"].service.metadata.apply(selects)
+    return stack.observability.service_monitor.spec.apply(check)
+
+
+@pulumi.runtime.test
+def test_service_monitor_labels_series_with_the_slot(prod: Any) -> pulumi.Output[None]:
+    def check(monitor: dict[str, Any]) -> None:
+        [relabeling] = monitor["endpoints"][0]["relabelings"]
+        source = "__meta_kubernetes_service_label_specdeploy_dev_slot"
+        assert relabeling == {"action": "replace", "sourceLabels": [source], "targetLabel": "slot"}
+    return prod().stack.observability.service_monitor.spec.apply(check)
+
+
+def test_authenticated_metrics_are_scraped_with_the_metrics_key(render: Any, variant_config: Any) -> None:
+    built = render("k8s-dev", variant_config("k8s-dev", service={"metrics_require_auth": True}))
+    endpoint = built.one("ServiceMonitor", "specdeploy")["spec"]["endpoints"][0]
+    assert endpoint["authorization"] == {"type": "Bearer",
+                                         "credentials": {"name": "specdeploy-api-keys", "key": "metrics-key"}}
+
+
+@pulumi.runtime.test
+def test_dashboard_config_map_is_discoverable_by_the_grafana_sidecar(prod: Any) -> pulumi.Output[None]:
+    def check(metadata: Any) -> None:
+        assert metadata.labels["grafana_dashboard"] == "1"
+    return prod().stack.observability.dashboard.metadata.apply(check)
+
+
+@pulumi.runtime.test
+def test_dashboard_json_loads_with_the_expected_panels(prod: Any) -> pulumi.Output[None]:
+    def check(data: dict[str, str]) -> None:
+        dashboard = json.loads(data["specdeploy-serving.json"])
+        titles = {panel["title"] for panel in dashboard["panels"]}
+        assert EXPECTED_PANELS <= titles
+        assert all(panel["targets"] for panel in dashboard["panels"])
+        assert len({panel["id"] for panel in dashboard["panels"]}) == len(dashboard["panels"])
+    return prod().stack.observability.dashboard.data.apply(check)
+
+
+@pytest.mark.parametrize("expr", dashboard_queries())
+def test_dashboard_queries_only_server_series(expr: str, series_of: Any, server_series: set[str]) -> None:
+    selected = series_of(expr)
+    assert selected, f"no series in {expr!r}"
+    assert selected <= server_series, f"unknown series {selected - server_series} in {expr!r}"
+
+
+@pytest.mark.parametrize("rule", RULES, ids=[r.name for r in RULES])
+def test_alert_rules_query_only_server_series(rule: Any, series_of: Any, server_series: set[str]) -> None:
+    selected = series_of(rule.promql)
+    assert selected <= server_series, f"unknown series {selected - server_series} in {rule.promql!r}"
+    assert selected == set(rule.server_metrics)
+
+
+def test_series_parser_catches_a_foreign_metric(series_of: Any) -> None:
+    assert series_of('sum(rate(vllm:num_requests_waiting{pod="x"}[5m]))') == {"vllm:num_requests_waiting"}
+    assert series_of("histogram_quantile(0.9, sum by (le) (rate(specdeploy_ttft_bucket[5m])))") == {
+        "specdeploy_ttft_bucket"}
