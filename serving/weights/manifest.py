@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -84,8 +85,15 @@ def _parse_entry(item: Any, source: str) -> FileEntry:
 
 
 def _is_safe_relative(path: str) -> bool:
+    """A canonical relative POSIX path: no absolute root, no `..`, no `.` or empty parts, no backslash.
+
+    Canonical matters: ``./config.json`` and ``a//b`` name the same file as ``config.json`` and ``a/b``;
+    accepting both spellings would let one file be listed twice under different names.
+    """
     pure = PurePosixPath(path)
-    return bool(path) and not pure.is_absolute() and ".." not in pure.parts and "\\" not in path
+    if not path or pure.is_absolute() or "\\" in path or pure.as_posix() != path:
+        return False
+    return not any(part in ("", ".", "..") for part in path.split("/"))
 
 
 def sha256_file(path: Path, progress: ProgressFn | None = None) -> str:
@@ -99,13 +107,24 @@ def sha256_file(path: Path, progress: ProgressFn | None = None) -> str:
 
 
 def list_files(directory: Path) -> list[str]:
-    """Every regular file under ``directory`` except the manifest, as sorted POSIX paths."""
+    """Every regular file under ``directory`` except the manifest, as sorted POSIX paths.
+
+    A version directory holds regular files and directories only: a symbolic link (to a file or a
+    directory, inside or outside the version) or any other kind of entry is an error naming it, so
+    what is verified is exactly what the server will read.
+    """
     found: list[str] = []
     for root, dirs, names in os.walk(directory):
         dirs.sort()
-        for name in names:
-            rel = (Path(root) / name).relative_to(directory).as_posix()
-            if rel != MANIFEST_NAME:
+        for name in [*dirs, *names]:
+            entry = Path(root) / name
+            rel = entry.relative_to(directory).as_posix()
+            mode = entry.lstat().st_mode
+            if stat.S_ISLNK(mode):
+                raise WeightsError(f"{rel}: is a symbolic link; a model version holds regular files only")
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise WeightsError(f"{rel}: not a regular file or directory")
+            if stat.S_ISREG(mode) and rel != MANIFEST_NAME:
                 found.append(rel)
     return sorted(found)
 
@@ -126,6 +145,8 @@ def build_manifest(directory: Path, progress: ProgressFn | None = None) -> Manif
 
 def load_manifest(directory: Path) -> Manifest:
     path = directory / MANIFEST_NAME
+    if path.is_symlink():
+        raise WeightsError(f"{path}: is a symbolic link; a model version holds regular files only")
     if not path.is_file():
         raise WeightsError(f"{path}: manifest missing")
     return Manifest.from_json(path.read_bytes(), source=str(path))
@@ -134,9 +155,20 @@ def load_manifest(directory: Path) -> Manifest:
 def verify_file(directory: Path, entry: FileEntry, progress: ProgressFn | None = None) -> None:
     """Check one file's presence, size and hash; the error names the file."""
     file = directory / entry.path
-    if not file.is_file():
-        raise WeightsError(f"{entry.path}: missing")
-    size = file.stat().st_size
+    try:
+        info = file.lstat()
+    except FileNotFoundError:
+        raise WeightsError(f"{entry.path}: missing") from None
+    except NotADirectoryError:
+        raise WeightsError(f"{entry.path}: missing (a parent is not a directory)") from None
+    if stat.S_ISLNK(info.st_mode):
+        raise WeightsError(f"{entry.path}: is a symbolic link; a model version holds regular files only")
+    if not stat.S_ISREG(info.st_mode):
+        raise WeightsError(f"{entry.path}: not a regular file")
+    # A parent directory that is a link would lead outside the version: the resolved path must stay inside.
+    if not file.resolve().is_relative_to(directory.resolve()):
+        raise WeightsError(f"{entry.path}: resolves outside the model directory")
+    size = info.st_size
     if size != entry.size:
         raise WeightsError(f"{entry.path}: size {size} bytes, manifest says {entry.size} (truncated or altered)")
     actual = sha256_file(file, progress)
