@@ -8,12 +8,15 @@ cache never holds a partial version.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -25,7 +28,7 @@ from serving.weights.manifest import (
     load_manifest,
     verify_dir,
 )
-from serving.weights.store import open_store
+from serving.weights.store import ObjectStore, open_store
 
 logger = logging.getLogger(__name__)
 
@@ -86,11 +89,45 @@ def pull(
     progress = progress or _NoProgress()
     store = open_store(uri, endpoint_url)
     remote = Manifest.from_json(store.get_bytes(MANIFEST_NAME), source=f"{uri.rstrip('/')}/{MANIFEST_NAME}")
-    if _already_verified(target, remote, progress):
-        logger.info("%s already holds the verified version from %s", target, uri)
-        return PullResult(target, remote, fetched=False)
-
     target.parent.mkdir(parents=True, exist_ok=True)
+    with _pull_lock(target):
+        if _already_verified(target, remote, progress):
+            logger.info("%s already holds the verified version from %s", target, uri)
+            return PullResult(target, remote, fetched=False)
+        _remove_stale_staging(target)
+        _fetch_verified(store, remote, target, progress)
+    logger.info("pulled %d files (%d bytes) from %s into %s", len(remote.files), remote.total_bytes, uri, target)
+    return PullResult(target, remote, fetched=True)
+
+
+@contextlib.contextmanager
+def _pull_lock(target: Path) -> Iterator[None]:
+    """One pull of ``target`` at a time, across processes and across hosts sharing the volume.
+
+    POSIX record locks (``lockf``) are honoured by NFSv4 (EFS) as well as local filesystems; the
+    kernel drops the lock when its holder dies, so a killed pull never blocks the next one.
+    """
+    lock_path = target.parent / f".{target.name}.lock"
+    with lock_path.open("a+b") as handle:
+        fcntl.lockf(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.lockf(handle, fcntl.LOCK_UN)
+
+
+def _remove_stale_staging(target: Path) -> None:
+    """Staging and retired directories of ``target`` left by a pull that was killed (called under the lock:
+    no live pull of this target owns one)."""
+    for prefix in (f".{target.name}.partial-", f".{target.name}.old-"):
+        for stale in target.parent.glob(f"{prefix}*"):
+            if stale.is_dir() and not stale.is_symlink():
+                logger.warning("removing %s left by an interrupted pull", stale)
+                shutil.rmtree(stale, ignore_errors=True)
+
+
+def _fetch_verified(store: ObjectStore, remote: Manifest, target: Path, progress: TransferProgress) -> None:
+    """Download every file into a staging directory beside ``target``, verify, rename into place."""
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.partial-"))
     try:
         progress.begin("downloading", remote.total_bytes)
@@ -108,8 +145,6 @@ def pull(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    logger.info("pulled %d files (%d bytes) from %s into %s", len(remote.files), remote.total_bytes, uri, target)
-    return PullResult(target, remote, fetched=True)
 
 
 def ensure_local(path: Path, source_uri: str | None = None, endpoint_url: str | None = None) -> Manifest:
