@@ -14,9 +14,9 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
