@@ -201,7 +201,7 @@ class MemoryEstimate:
 def estimate_memory(config: StackConfig, reader: ConfigReader = read_local_config) -> MemoryEstimate:
     target = model_dims(config.model, "model", reader)
     spec = config.speculative
-    use_draft = spec.enabled and spec.method == "draft" and config.draft is not None
+    use_draft = config.uses_draft_model
     draft = model_dims(config.draft, "draft", reader) if use_draft and config.draft else None
     sched = config.scheduler
     lookahead = spec.num_draft_tokens if spec.enabled else 0
@@ -254,6 +254,28 @@ def check_fit(estimate: MemoryEstimate, instance: InstanceType, max_memory_utili
     return Fit(instance, gpu, budget, tuple(problems))
 
 
+# EC2 service quotas (vCPUs of running instances) that P- and G-family instances count against.
+VCPU_QUOTA_CODES = {
+    ("P", "on-demand"): "L-417A185B",  # Running On-Demand P instances
+    ("G", "on-demand"): "L-DB2E81BA",  # Running On-Demand G and VT instances
+    ("P", "spot"): "L-7212CCBC",  # All P Spot Instance Requests
+    ("G", "spot"): "L-3819A6DF",  # All G and VT Spot Instance Requests
+}
+RELEASE_SLOTS = ("blue", "green")
+
+
+@dataclass(frozen=True)
+class QuotaNeed:
+    family: str  # "P" or "G"
+    market: str  # "on-demand" or "spot"
+    quota_code: str  # service-quotas code, service ec2
+    vcpus: int  # vCPUs the fleet may run at once
+
+    def render(self) -> str:
+        return (f"{self.family} {self.market} vCPUs: {self.vcpus} at peak (quota {self.quota_code}; "
+                f"aws service-quotas get-service-quota --service-code ec2 --quota-code {self.quota_code})")
+
+
 @dataclass(frozen=True)
 class CapacityPlan:
     stack_instance_type: str  # as written in the stack ("auto" or a type)
@@ -263,6 +285,7 @@ class CapacityPlan:
     max_size: int
     max_memory_utilization: float
     candidates: tuple[Fit, ...] = field(default=())
+    capacity_type: str = "on-demand"  # fleet.capacity_type: which vCPU quotas apply
 
     @property
     def instance(self) -> InstanceType:
@@ -280,9 +303,20 @@ class CapacityPlan:
         return max(0, int(free // e.kv_per_token))
 
     def same_gpu_alternatives(self, limit: int) -> list[str]:
-        """Other catalogued types with the chosen GPU that also fit, cheapest first (spot pools)."""
+        """Other catalogued types that also fit with the same GPU model *and GPU count*, cheapest first
+        (spot pools): a one-GPU server on an eight-GPU instance pays for seven idle GPUs."""
+        chosen = self.instance
         return [f.instance.name for f in self.candidates
-                if f.fits and f.instance.gpu == self.instance.gpu and f.instance.name != self.instance.name][:limit]
+                if f.fits and f.instance.gpu == chosen.gpu and f.instance.gpus == chosen.gpus
+                and f.instance.name != chosen.name][:limit]
+
+    def vcpu_quota_need(self, capacity_type: str) -> list[QuotaNeed]:
+        """The EC2 vCPU quotas the fleet draws on at its largest: both release slots at max_size during
+        a blue/green rollout. New accounts start with small (often zero) P and G quotas."""
+        peak_vcpus = len(RELEASE_SLOTS) * self.max_size * self.instance.vcpus
+        markets = {"on-demand": ("on-demand",), "spot": ("spot",), "mixed": ("on-demand", "spot")}[capacity_type]
+        family = "P" if self.instance.family.startswith("p") else "G"
+        return [QuotaNeed(family, market, VCPU_QUOTA_CODES[(family, market)], peak_vcpus) for market in markets]
 
     def as_dict(self) -> dict[str, Any]:
         e = self.estimate
@@ -299,6 +333,8 @@ class CapacityPlan:
             "decode_ceiling_tokens_per_s": round(self.decode_ceiling, 1),
             "hourly_cost_usd": [round(self.min_size * self.instance.price_per_hour, 2),
                                 round(self.max_size * self.instance.price_per_hour, 2)],
+            "vcpu_quotas": [{"quota_code": q.quota_code, "family": q.family, "market": q.market, "vcpus": q.vcpus}
+                            for q in self.vcpu_quota_need(self.capacity_type)],
         }
 
     def render(self) -> str:
@@ -326,6 +362,7 @@ class CapacityPlan:
             f"fleet        {self.min_size}..{self.max_size} instances: ${self.min_size * inst.price_per_hour:.2f}"
             f"..${self.max_size * inst.price_per_hour:.2f}/h on demand (prices {CATALOG_PRICE_DATE}, us-east-1)",
         ]
+        lines += [f"quota        {need.render()}" for need in self.vcpu_quota_need(self.capacity_type)]
         if inst.gpus > 1:
             lines.append(f"note         the engine serves from one GPU; {inst.gpus - 1} of {inst.gpus} GPUs stay idle")
         return "\n".join(lines)
@@ -417,7 +454,7 @@ def plan(config: StackConfig, reader: ConfigReader = read_local_config) -> Capac
         if not chosen.fits:
             raise _does_not_fit(config, estimate, fits, requested)
     return CapacityPlan(requested, estimate, chosen, config.fleet.min_size, config.fleet.max_size, mmu,
-                        tuple(sorted(fits, key=lambda f: f.instance.price_per_hour)))
+                        tuple(sorted(fits, key=lambda f: f.instance.price_per_hour)), config.fleet.capacity_type)
 
 
 def weight_cache_gib(estimate: MemoryEstimate) -> int:
