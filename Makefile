@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 # Default test run: everything except the long soak and GPU-only tests.
 PYTEST_ARGS ?= -m "not soak and not gpu"
 
-.PHONY: demo test lint soak gpu-test gpu-check clean
+.PHONY: demo test lint soak gpu-test gpu-check clean image image-test
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,18 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check infra serving tests
 	$(BIN)/mypy
+
+# The CPU server image with podman (as root: installs podman, runc and mmdebstrap from Debian when
+# missing; base image from the Debian mirror; layer cache in /var/tmp/specdeploy-podman). Prints the
+# size and build time, fails over the size budget or when the scan finds secrets or unwanted files.
+image: $(STAMP)
+	$(BIN)/python -m infra.ops.image build
+	$(BIN)/python -m infra.ops.image scan
+
+# The built image run for real: starts, ready, non-root, healthcheck, read-only weights, drain on stop.
+# (`make test` runs these too; without SPECDEPLOY_REQUIRE_IMAGE=1 they skip where no image is built.)
+image-test: $(STAMP)
+	SPECDEPLOY_REQUIRE_IMAGE=1 $(BIN)/pytest tests/serving/image
 
 demo: $(STAMP)
 	$(BIN)/python -m infra.ops.demo

@@ -25,22 +25,31 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from serving.config import (
     ConfigError,
     Dtype,
+    ModelSection,
     SchedulerSection,
     ServerConfig,
+    ServiceSection,
+    SpeculativePolicy,
     StrictModel,
     format_validation_error,
+    section_field,
 )
 
 PROJECT = "specdeploy"
+# The source checkout this module sits in: only for in-repo resources (the config reference
+# generator). Stack files come from the user's Pulumi project, see :func:`project_dir`.
 REPO_ROOT = Path(__file__).resolve().parent.parent
-STACKS_DIR = REPO_ROOT / "stacks"
+PROJECT_FILE = "Pulumi.yaml"
 
 # Where the server finds its models on a host or in a pod; the weight pull writes here.
 MODEL_CACHE_DIR = "/data/models"
 
 _URI = re.compile(r"^(s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?|file://.+)$")
-_SLOT_NAMES = ("blue", "green")
+Slot = Literal["blue", "green"]
+SLOTS: tuple[Slot, Slot] = ("blue", "green")  # the two release slots; import this, never retype it
 Platform = Literal["local", "aws", "kubernetes"]
+_ECR_REPOSITORY = r"^[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*$"
+OPEN_CIDRS = frozenset({"0.0.0.0/0", "::/0"})  # "anyone"
 
 
 def _check_uri(value: str) -> str:
@@ -69,20 +78,17 @@ class ModelSpec(StrictModel):
         return _check_uri(value)
 
 
-class SpeculativeSpec(StrictModel):
-    enabled: bool = Field(False, description="Serve with speculative decoding.")
-    method: Literal["draft", "ngram"] = Field("draft", description="Proposer: draft model or n-gram lookup.")
-    num_draft_tokens: int = Field(4, ge=1, le=16, description="Largest k per step (guide: test 2..8).")
-    adaptive: bool = Field(True, description="Pick k per step from measured goodput; false = fixed k.")
+# The stack's `speculative` section is the server's, less the draft model's path (the deployment knows it).
+SpeculativeSpec = SpeculativePolicy
 
 
 class ServiceSpec(StrictModel):
-    port: int = Field(8000, ge=1, le=65535, description="Server port on the host or in the pod.")
-    drain_grace_s: float = Field(30.0, gt=0, le=3600, description="In-flight grace period after SIGTERM.")
-    metrics_require_auth: bool = Field(False, description="Require an API key for /metrics.")
-    max_memory_utilization: float = Field(
-        0.85, gt=0.1, le=0.95, description="GPU memory share for weights + KV (guide: 0.85-0.92)."
-    )
+    """The server settings a stack may set; each field is the server config's own (bounds, default)."""
+
+    port: int = section_field(ServiceSection, "port")
+    drain_grace_s: float = section_field(ServiceSection, "drain_grace_s")
+    metrics_require_auth: bool = section_field(ServiceSection, "metrics_require_auth")
+    max_memory_utilization: float = section_field(ModelSection, "max_memory_utilization")
 
 
 class FleetSpec(StrictModel):
@@ -108,7 +114,9 @@ class FleetSpec(StrictModel):
         default_factory=list, description="Known peaks: cron schedules raising min_size."
     )
     nvidia_driver_min: str | None = Field(None, description="Minimum driver version checked at boot.")
-    image_repository: str = Field("specdeploy-server", description="ECR repository name for the image.")
+    image_repository: str = Field(
+        "specdeploy-server", max_length=256, pattern=_ECR_REPOSITORY, description="ECR repository name for the image."
+    )
 
     @model_validator(mode="after")
     def _sizes(self) -> FleetSpec:
@@ -117,6 +125,10 @@ class FleetSpec(StrictModel):
         desired = self.desired_capacity
         if desired is not None and not self.min_size <= desired <= self.max_size:
             raise ValueError(f"fleet.desired_capacity ({desired}) must lie in [min_size, max_size]")
+        for index, schedule in enumerate(self.scale_schedules):
+            if schedule.min_size > self.max_size:
+                raise ValueError(f"fleet.scale_schedules[{index}].min_size ({schedule.min_size}) exceeds "
+                                 f"fleet.max_size ({self.max_size})")
         return self
 
 
@@ -129,7 +141,7 @@ class ScaleSchedule(StrictModel):
 class AccessSpec(StrictModel):
     public: bool = Field(False, description="Internet-facing load balancer / ingress (needs TLS).")
     allowed_cidrs: list[str] = Field(
-        default_factory=lambda: ["10.0.0.0/8"], description="Client CIDRs allowed to reach the endpoint."
+        default_factory=lambda: ["10.0.0.0/8"], min_length=1, description="Client CIDRs allowed to reach the endpoint."
     )
     certificate_arn: str | None = Field(None, description="ACM certificate for HTTPS (aws, required if public).")
     domain: str | None = Field(None, description="DNS name clients use (informational / ingress host).")
@@ -204,7 +216,7 @@ class SlotSpec(StrictModel):
 
 
 class ReleaseSpec(StrictModel):
-    active: Literal["blue", "green"] = Field("blue", description="Slot taking (most) traffic.")
+    active: Slot = Field("blue", description="Slot taking (most) traffic.")
     canary_weight: int = Field(0, ge=0, le=100, description="Percent of traffic on the idle slot.")
     blue: SlotSpec | None = Field(None, description="The blue slot.")
     green: SlotSpec | None = Field(None, description="The green slot (absent until a release).")
@@ -219,12 +231,12 @@ class ReleaseSpec(StrictModel):
         return self
 
     @property
-    def idle_slot(self) -> Literal["blue", "green"] | None:
+    def idle_slot(self) -> Slot | None:
         return "green" if self.active == "blue" else "blue"
 
     def slot(self, name: str) -> SlotSpec | None:
-        if name not in _SLOT_NAMES:
-            raise ValueError(f"unknown slot {name!r}; allowed: {', '.join(_SLOT_NAMES)}")
+        if name not in SLOTS:
+            raise ValueError(f"unknown slot {name!r}; allowed: {', '.join(SLOTS)}")
         spec: SlotSpec | None = getattr(self, name)
         return spec
 
@@ -267,7 +279,8 @@ class KubernetesSpec(StrictModel):
     ingress_namespace: str = Field(
         "ingress-nginx", description="Namespace of the ingress controller or gateway proxy pods (NetworkPolicy)."
     )
-    min_replicas: int = Field(1, ge=0, description="Baseline replicas per active slot.")
+    # minReplicas 0 needs the HPAScaleToZero feature gate, off on every managed cluster.
+    min_replicas: int = Field(1, ge=1, description="Baseline replicas per active slot (at least 1).")
     max_replicas: int = Field(4, ge=1, description="Upper bound of the autoscaler.")
     queue_target_per_pod: float = Field(
         8.0, gt=0, description="Autoscaler target: average waiting requests per pod (specdeploy_requests_waiting)."
@@ -283,14 +296,21 @@ class KubernetesSpec(StrictModel):
     def _gateway(self) -> KubernetesSpec:
         if self.routing == "gateway-api" and self.gateway is None:
             raise ValueError("kubernetes.gateway (namespace/name) is required when kubernetes.routing is gateway-api")
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"kubernetes.min_replicas ({self.min_replicas}) exceeds kubernetes.max_replicas ({self.max_replicas})"
+            )
         return self
 
 
 class LocalSpec(StrictModel):
     state_dir: str = Field(".specdeploy/local", description="Pid, log, rendered config and weight cache.")
-    store_uri: str = Field("file://.specdeploy/store", description="Weight store the demo pair is pushed to.")
     host: str = Field("127.0.0.1", description="Loopback address the local server binds.")
     kv_cache_mb: int = Field(256, ge=1, description="KV cache budget on CPU, in MiB.")
+    runtime: Literal["process", "container"] = Field(
+        "process", description="`process`: the server runs from this checkout; `container`: from `image` (podman)."
+    )
+    image: str = Field("localhost/specdeploy-server:cpu", description="Server image for runtime `container`.")
 
 
 class StackConfig(StrictModel):
@@ -315,7 +335,7 @@ class StackConfig(StrictModel):
 
     @model_validator(mode="after")
     def _coherent(self) -> StackConfig:
-        if self.speculative.enabled and self.speculative.method == "draft" and self.draft is None:
+        if self.speculative.uses_draft_model and self.draft is None:
             raise ValueError("speculative.method is 'draft' but no `draft` model is configured")
         if self.platform == "kubernetes" and self.kubernetes is None:
             raise ValueError("platform 'kubernetes' needs a `kubernetes` section")
@@ -329,7 +349,35 @@ class StackConfig(StrictModel):
             raise ValueError(
                 f"draft.dtype ({self.draft.dtype}) differs from model.dtype ({self.model.dtype})"
             )
+        self._check_slots_have_drafts()
+        self._check_platform_access()
         return self
+
+    def _check_slots_have_drafts(self) -> None:
+        if self.platform == "local" or not self.speculative.uses_draft_model:
+            return
+        for name in SLOTS:
+            slot = self.slots.slot(name)
+            if slot is not None and slot.draft_version is None:
+                raise ValueError(f"release.{name}.draft_version is required: speculative.method is 'draft'")
+
+    def _check_platform_access(self) -> None:
+        open_cidrs = OPEN_CIDRS & set(self.access.allowed_cidrs)
+        if self.platform == "aws":
+            if open_cidrs and not self.access.public:
+                raise ValueError("access.allowed_cidrs opens an internal load balancer to the world; "
+                                 "set access.public or list the client networks")
+        if self.kubernetes is not None and self.kubernetes.routing == "gateway-api" and not open_cidrs:
+            # An HTTPRoute has no portable source filter: refuse to pretend the allow-list is enforced.
+            raise ValueError(
+                "access.allowed_cidrs cannot be enforced by an HTTPRoute (kubernetes.routing gateway-api): "
+                "restrict sources on the Gateway and set access.allowed_cidrs to [0.0.0.0/0]"
+            )
+
+    @property
+    def uses_draft_model(self) -> bool:
+        """Speculation on, by a draft model, and one is configured: the draft is pulled, planned for, served."""
+        return self.speculative.uses_draft_model and self.draft is not None
 
     @property
     def slots(self) -> ReleaseSpec:
@@ -422,19 +470,65 @@ def parse_stack_mapping(raw: Mapping[str, Any], source: str = "stack") -> tuple[
     return config, providers, frozenset(secrets | (SECRET_FIELDS & set(project)))
 
 
+# `specdeploy --project DIR` pins the project; otherwise it is found from the working directory.
+_pinned_project: Path | None = None
+
+
+def find_project_dir(start: Path) -> Path:
+    """The Pulumi project ``start`` is in: ``start`` or its nearest parent holding a Pulumi.yaml,
+    as the ``pulumi`` command finds it."""
+    start = start.resolve()
+    for directory in (start, *start.parents):
+        if (directory / PROJECT_FILE).is_file():
+            return directory
+    raise ConfigError(f"no {PROJECT_FILE} in {start} or any parent; run inside a specdeploy project "
+                      "or pass --project DIR")
+
+
+def use_project(directory: Path | None) -> None:
+    """Pin the project directory for this process (``--project DIR``); None finds it from the cwd again."""
+    global _pinned_project
+    if directory is not None and not (directory / PROJECT_FILE).is_file():
+        raise ConfigError(f"--project {directory}: no {PROJECT_FILE} there")
+    _pinned_project = directory.resolve() if directory is not None else None
+
+
+def project_dir() -> Path:
+    """The Pulumi project: pinned by ``--project``, else found upward from the working directory."""
+    return _pinned_project or find_project_dir(Path.cwd())
+
+
+def project_stacks_dir(project: Path | None = None) -> Path:
+    """Where the project's stack files live: Pulumi.yaml's ``stackConfigDir``, default the project itself."""
+    project = project or project_dir()
+    path = project / PROJECT_FILE
+    try:
+        document = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(document, dict):
+        raise ConfigError(f"{path}: expected a mapping")
+    configured = document.get("stackConfigDir")
+    if configured is None:
+        return project
+    if not isinstance(configured, str) or not configured:
+        raise ConfigError(f"{path}: stackConfigDir must be a directory path, got {configured!r}")
+    return project / configured
+
+
 def stack_path(name: str, stacks_dir: Path | None = None) -> Path:
     if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
         raise ConfigError(f"invalid stack name {name!r}")
-    return (stacks_dir or STACKS_DIR) / f"Pulumi.{name}.yaml"
+    return (stacks_dir or project_stacks_dir()) / f"Pulumi.{name}.yaml"
 
 
 def available_stacks(stacks_dir: Path | None = None) -> list[str]:
-    directory = stacks_dir or STACKS_DIR
+    directory = stacks_dir or project_stacks_dir()
     return sorted(p.name[len("Pulumi.") : -len(".yaml")] for p in directory.glob("Pulumi.*.yaml"))
 
 
 def load_stack(name: str, stacks_dir: Path | None = None) -> StackFile:
-    """Read and validate ``stacks/Pulumi.<name>.yaml``."""
+    """Read and validate ``Pulumi.<name>.yaml`` of the project's stack directory (or ``stacks_dir``)."""
     path = stack_path(name, stacks_dir)
     if not path.is_file():
         known = ", ".join(available_stacks(stacks_dir)) or "none"
@@ -489,7 +583,7 @@ def render_server_config(
 ) -> ServerConfig:
     """The server's config file for this stack: the single place the two schemas meet."""
     spec = config.speculative
-    use_draft = spec.enabled and spec.method == "draft" and config.draft is not None
+    use_draft = config.uses_draft_model
     data = {
         "service": {
             "host": host,
@@ -507,12 +601,6 @@ def render_server_config(
             "kv_cache_bytes": kv_cache_bytes,
         },
         "scheduler": config.scheduler.model_dump(),
-        "speculative": {
-            "enabled": spec.enabled,
-            "method": spec.method,
-            "draft_model": draft_path if use_draft else None,
-            "num_draft_tokens": spec.num_draft_tokens,
-            "adaptive": spec.adaptive,
-        },
+        "speculative": {**spec.model_dump(), "draft_model": draft_path if use_draft else None},
     }
     return ServerConfig.model_validate(data)

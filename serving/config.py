@@ -10,21 +10,29 @@ The file mirrors the deployment guide (step 3)::
                   num_draft_tokens: 4, adaptive: true}
 
 Operators never write it by hand for a deployment: ``infra.config`` renders it
-from the stack file. The sections here are also embedded in the stack schema,
-so every limit is defined once.
+from the stack file. Every limit is defined once, here: the stack schema embeds
+these sections (or borrows single fields with :func:`section_field`) and the
+engine's ``EngineConfig`` is built from them.
+
+Environment variables ``SPECDEPLOY__<SECTION>__<KEY>`` override the file; they are
+read by pydantic-settings and validated like the file.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from copy import copy
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
+from pydantic_settings.sources.utils import parse_env_vars
 
 ENV_PREFIX = "SPECDEPLOY__"
+ENV_DELIMITER = "__"
 
 Dtype = Literal["fp32", "fp16", "bf16"]
 
@@ -33,6 +41,30 @@ class StrictModel(BaseModel):
     """Unknown keys are errors: a misspelt limit must never be silently ignored."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def section_field(section: type[BaseModel], name: str) -> Any:
+    """A field of a config section, with its default, bounds and description, for reuse elsewhere.
+
+    The stack schema and the engine config declare ``port: int = section_field(ServiceSection, "port")``
+    instead of repeating ``Field(8000, ge=1, le=65535, ...)``.
+    """
+    return copy(section.model_fields[name])
+
+
+def _power_of_two(value: int) -> int:
+    if value & (value - 1):
+        raise ValueError(f"must be a power of two, got {value}")
+    return value
+
+
+def check_step_budget(max_concurrency: int, max_batched_tokens: int, names: tuple[str, str]) -> None:
+    """One engine step decodes a token for every running request, so its budget must cover them all."""
+    if max_batched_tokens < max_concurrency:
+        raise ValueError(
+            f"{names[1]} ({max_batched_tokens}) is below {names[0]} ({max_concurrency}): "
+            "every running request decodes one token per step"
+        )
 
 
 class ServiceSection(StrictModel):
@@ -82,26 +114,49 @@ class SchedulerSection(StrictModel):
     max_batched_tokens: int = Field(
         2048, ge=16, description="Token budget of one engine step (prefill chunks + decodes + drafts)."
     )
-    kv_block_size: int = Field(16, ge=1, le=256, description="Tokens per KV cache block.")
+    kv_block_size: Annotated[int, AfterValidator(_power_of_two)] = Field(
+        16, ge=1, le=256, description="Tokens per KV cache block (a power of two)."
+    )
+
+    @model_validator(mode="after")
+    def _step_budget(self) -> SchedulerSection:
+        check_step_budget(
+            self.max_concurrency, self.max_batched_tokens, ("scheduler.max_concurrency", "scheduler.max_batched_tokens")
+        )
+        return self
 
 
-class SpeculativeSection(StrictModel):
+class SpeculativePolicy(StrictModel):
+    """How to speculate, without where the draft model lives: the stack file's `speculative` section.
+    The server's section adds the draft model's path, which only the deployment knows."""
+
     enabled: bool = Field(False, description="Turn speculative decoding on.")
     method: Literal["draft", "ngram"] = Field("draft", description="Proposer: a draft model or n-gram lookup.")
-    draft_model: str | None = Field(None, description="Directory of the draft model (method draft).")
     num_draft_tokens: int = Field(4, ge=1, le=16, description="k: draft tokens proposed per step (max).")
     adaptive: bool = Field(True, description="Choose k per step from measured cost and acceptance (0 allowed).")
     ngram_min: int = Field(1, ge=1, le=8, description="Shortest suffix matched by the n-gram proposer.")
     ngram_max: int = Field(4, ge=1, le=16, description="Longest suffix matched by the n-gram proposer.")
 
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.enabled and self.method == "draft"
+
     @model_validator(mode="after")
-    def _consistent(self) -> SpeculativeSection:
-        if self.enabled and self.method == "draft" and not self.draft_model:
-            raise ValueError("speculative.draft_model is required when speculative.method is 'draft'")
+    def _ngram_range(self) -> SpeculativePolicy:
         if self.ngram_min > self.ngram_max:
             raise ValueError(
                 f"speculative.ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})"
             )
+        return self
+
+
+class SpeculativeSection(SpeculativePolicy):
+    draft_model: str | None = Field(None, description="Directory of the draft model (method draft).")
+
+    @model_validator(mode="after")
+    def _draft_present(self) -> SpeculativeSection:
+        if self.uses_draft_model and not self.draft_model:
+            raise ValueError("speculative.draft_model is required when speculative.method is 'draft'")
         return self
 
 
@@ -150,18 +205,55 @@ def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
     return "\n".join(lines)
 
 
-def _apply_env_overrides(data: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
-    """``SPECDEPLOY__SCHEDULER__MAX_QUEUE=32`` sets scheduler.max_queue; values are parsed as YAML."""
-    for name, raw in environ.items():
-        if not name.startswith(ENV_PREFIX):
+class _ServerEnvironment(ServerConfig, BaseSettings):
+    """Where pydantic-settings reads the overrides: ``SPECDEPLOY__SCHEDULER__MAX_QUEUE=32``."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter=ENV_DELIMITER, env_parse_none_str="null", extra="forbid"
+    )
+
+
+class _EnvironmentSource(EnvSettingsSource):
+    """The environment source reading a given mapping (``os.environ`` by default), so tests pass their own."""
+
+    def __init__(self, environ: Mapping[str, str]) -> None:
+        self._environ = environ
+        super().__init__(_ServerEnvironment)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return parse_env_vars(self._environ, self.case_sensitive, self.env_ignore_empty, self.env_parse_none_str)
+
+
+def _check_override_names(environ: Mapping[str, str]) -> None:
+    """Every ``SPECDEPLOY__`` variable must name one known key; a typo is never ignored."""
+    for name in environ:
+        if not name.upper().startswith(ENV_PREFIX):
             continue
-        path = [part.lower() for part in name[len(ENV_PREFIX) :].split("__")]
+        path = name[len(ENV_PREFIX) :].lower().split(ENV_DELIMITER)
         if len(path) != 2 or not all(path):
-            raise ConfigError(f"{name}: expected {ENV_PREFIX}<SECTION>__<KEY>")
-        section = data.setdefault(path[0], {})
-        if not isinstance(section, dict):
-            raise ConfigError(f"{name}: section {path[0]!r} is not a mapping")
-        section[path[1]] = yaml.safe_load(raw)
+            raise ConfigError(f"{name}: expected {ENV_PREFIX}<SECTION>{ENV_DELIMITER}<KEY>")
+        section, key = path
+        field = ServerConfig.model_fields.get(section)
+        if field is None:
+            raise ConfigError(f"{name}: unknown section {section!r}; allowed: {', '.join(ServerConfig.model_fields)}")
+        model = field.annotation
+        keys = model.model_fields if isinstance(model, type) and issubclass(model, BaseModel) else {}
+        if key not in keys:
+            raise ConfigError(f"{name}: unknown key {section}.{key}")
+
+
+def environment_overrides(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """The ``SPECDEPLOY__<SECTION>__<KEY>`` variables as ``{section: {key: value}}``, not yet validated."""
+    _check_override_names(environ)
+    return _EnvironmentSource(environ)()
+
+
+def _merge(data: dict[str, Any], overrides: Mapping[str, Mapping[str, Any]], source: str) -> dict[str, Any]:
+    for section, values in overrides.items():
+        current = data.setdefault(section, {})
+        if not isinstance(current, dict):
+            raise ConfigError(f"{source}: section {section!r} is not a mapping, so the environment cannot override it")
+        current.update(values)
     return data
 
 
@@ -176,7 +268,7 @@ def load_server_config(path: str | Path, environ: Mapping[str, str] | None = Non
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
-    data = _apply_env_overrides(data, os.environ if environ is None else environ)
+    data = _merge(data, environment_overrides(os.environ if environ is None else environ), str(path))
     try:
         return ServerConfig.model_validate(data)
     except ValidationError as exc:

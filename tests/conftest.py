@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from serving.net import free_port
 
 DEMO_TOKENIZER = Path(__file__).resolve().parents[1] / "serving" / "demo" / "tokenizer"
 CHAT_TEMPLATE = (
@@ -67,17 +68,11 @@ def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
 def moto_endpoint() -> Iterator[str]:
     """A loopback moto_server for the session (S3 and the other AWS APIs the tests use); reset it with
     POST /moto-api/reset."""
-    port = _free_port()
+    port = free_port()
     binary = Path(sys.executable).with_name("moto_server")
     proc = subprocess.Popen(
         [str(binary), "-H", "127.0.0.1", "-p", str(port)],

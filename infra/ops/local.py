@@ -4,6 +4,8 @@
 directory → render the server config from the stack → start ``specdeploy serve`` in the
 background on loopback (pid and log under the state directory) → wait for /ready.
 ``down``: SIGTERM (the server drains), wait, and clean up. ``status``: process, /health, /ready.
+With ``local.runtime: container`` the server is the image instead (infra/ops/local_container.py):
+the same weights, config and key file, mounted read-only; ``down`` is ``podman stop``.
 
 Relative paths in the stack file (state_dir, file:// URIs) are relative to the repository
 checkout, i.e. the parent of the stacks directory.
@@ -24,9 +26,12 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from infra.config import SECRET_MASK, StackConfig, StackFile, render_server_config
+
+if TYPE_CHECKING:
+    from infra.ops.local_container import ServerContainer
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +94,13 @@ class LocalDeployment:
         self.root = stack.path.resolve().parent.parent
         self.paths = LocalPaths(self._local_path(self.config.local.state_dir))
         self._process: subprocess.Popen[bytes] | None = None  # set when this object started the server
+        self.container: ServerContainer | None = None
+        if self.config.local.runtime == "container":
+            from infra.ops.local_container import ServerContainer
+
+            self.container = ServerContainer(name=f"specdeploy-{stack.name}", image=self.config.local.image,
+                                             drain_grace_s=self.config.service.drain_grace_s,
+                                             port=self.config.service.port)
 
     # ---- paths and URIs ----------------------------------------------------------------------------
 
@@ -116,28 +128,33 @@ class LocalDeployment:
         self.paths.state_dir.mkdir(parents=True, exist_ok=True)
         target_local = self._publish_and_fetch("target", self.config.model.source, target_dir, progress)
         draft_local = None
-        if self._uses_draft():
+        if self.config.uses_draft_model:
             assert self.config.draft is not None
             draft_local = self._publish_and_fetch("draft", self.config.draft.source, draft_dir, progress)
         self._write_api_keys()
+        keys_file = str(self.paths.api_keys_file)
+        if self.container is not None:  # the paths the server sees inside the container
+            from infra.ops.local_container import API_KEYS_MOUNT, MODELS_MOUNT
+
+            target_local = Path(MODELS_MOUNT) / target_local.relative_to(self.paths.models_dir)
+            if draft_local is not None:
+                draft_local = Path(MODELS_MOUNT) / draft_local.relative_to(self.paths.models_dir)
+            keys_file = API_KEYS_MOUNT
         server_config = render_server_config(
             self.config,
             model_path=str(target_local),
             draft_path=str(draft_local) if draft_local else None,
             host=self.config.local.host,
             kv_cache_bytes=self.config.local.kv_cache_mb * 2**20,
-            api_keys_file=str(self.paths.api_keys_file),
+            api_keys_file=keys_file,
         )
         self.paths.server_config.write_text(server_config.to_yaml())
         self._start_server()
         return self.wait_ready()
 
-    def _uses_draft(self) -> bool:
-        spec = self.config.speculative
-        return spec.enabled and spec.method == "draft" and self.config.draft is not None
-
     def _publish_and_fetch(self, role: str, source: str, local_dir: Path | None, progress: Any) -> Path:
         from serving.weights import WeightsError, pull, push
+        from serving.weights.transfer import make_readable
 
         uri = self._absolute_uri(source)
         try:
@@ -147,6 +164,7 @@ class LocalDeployment:
                 push(local_dir, uri, progress=progress)
             target = self.paths.models_dir / role
             pull(uri, target, progress=progress)
+            make_readable(target)  # a cache pulled before pulls set modes: the image's user must read it
         except WeightsError as exc:
             raise LocalError(f"{role} model: {exc}") from exc
         return target
@@ -172,6 +190,17 @@ class LocalDeployment:
         return first.split(":")[1] if ":" in first else None
 
     def _start_server(self) -> None:
+        if self.container is not None:
+            from infra.ops.image import ImageError
+
+            try:
+                pid = self.container.start(self.paths.models_dir, self.paths.server_config,
+                                           self.paths.api_keys_file, self.paths.log_file)
+            except ImageError as exc:
+                raise LocalError(str(exc)) from exc
+            self.paths.pid_file.write_text(f"{pid}\n")
+            logger.info("server container %s started (pid %d), log %s", self.container.name, pid, self.paths.log_file)
+            return
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEPLOY")}
         env["SPECDEPLOY_ENV"] = "production"
         env["PYTHONUNBUFFERED"] = "1"
@@ -204,7 +233,7 @@ class LocalDeployment:
                 raise LocalError(f"server (pid file {self.paths.pid_file}: {self._pid_text()}) is not running "
                                  f"(exit code {code}); log {self.paths.log_file}:\n{self.log_tail()}")
             reason = (status.ready or {}).get("reason", "")
-            if reason.startswith(("weights verification failed", "start-up failed")):
+            if (status.ready or {}).get("failed"):
                 self.down()
                 raise LocalError(f"server refused readiness: {reason}")
             if time.monotonic() > deadline:
@@ -216,6 +245,12 @@ class LocalDeployment:
 
     def down(self, timeout_s: float | None = None) -> bool:
         """SIGTERM, wait for the drain, SIGKILL as a last resort. False when nothing was running."""
+        if self.container is not None:
+            code = self.container.stop()
+            self.paths.pid_file.unlink(missing_ok=True)
+            if code not in (None, 0):
+                logger.warning("server container %s exited with code %s", self.container.name, code)
+            return code is not None
         pid = self._live_pid()
         if pid is None:
             self.paths.pid_file.unlink(missing_ok=True)
@@ -240,6 +275,8 @@ class LocalDeployment:
         return Status(pid=pid, running=pid is not None, endpoint=self.endpoint, health=health, ready=ready)
 
     def _live_pid(self) -> int | None:
+        if self.container is not None:
+            return self.container.state().pid
         try:
             pid = int(self.paths.pid_file.read_text().strip())
         except (OSError, ValueError):

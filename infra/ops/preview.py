@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from infra.config import PROJECT, SECRET_MASK, STACKS_DIR, StackConfig, StackFile, load_stack, stack_path
+from infra.config import PROJECT, SECRET_MASK, StackConfig, StackFile, load_stack, stack_path
 
 ACCOUNT_ID = "123456789012"
 # Placeholder for every `secure:` value; the secret scan looks for this text in what was recorded.
@@ -329,10 +329,6 @@ def render(result: PreviewResult) -> str:
     for key in sorted(result.exports):
         lines.append(f"  {key} = {json.dumps(result.exports[key], sort_keys=True, default=str)}")
     return "\n".join(lines)
-
-
-def known_stacks() -> list[str]:
-    return sorted(p.name[len("Pulumi."):-len(".yaml")] for p in STACKS_DIR.glob("Pulumi.*.yaml"))
 
 
 __all__ = ["PreviewResult", "RecordedResource", "record_stack", "render", "start_program", "stack_path"]

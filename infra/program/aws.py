@@ -19,7 +19,7 @@ from infra.components.aws.model_store import ModelStore, ModelStoreArgs, split_s
 from infra.components.aws.network import Network, NetworkArgs
 from infra.components.aws.secrets import ApiKeySecret, ApiKeySecretArgs
 from infra.components.aws.user_data import SECRETS_DIR, UserDataSpec
-from infra.config import MODEL_CACHE_DIR, StackConfig, render_server_config
+from infra.config import MODEL_CACHE_DIR, SLOTS, StackConfig, render_server_config
 
 
 def deploy_aws(config: StackConfig, stack: str, region: str) -> dict[str, pulumi.Input[object]]:
@@ -45,7 +45,7 @@ def deploy_aws(config: StackConfig, stack: str, region: str) -> dict[str, pulumi
     ))
     server_config = render_server_config(config, api_keys_file=f"{SECRETS_DIR}/api_keys").to_yaml()
     fleets: dict[str, GpuFleet] = {}
-    for slot in ("blue", "green"):
+    for slot in SLOTS:
         spec = release.slot(slot)
         if spec is None:
             continue
@@ -65,7 +65,6 @@ def deploy_aws(config: StackConfig, stack: str, region: str) -> dict[str, pulumi
             subnet_ids=network.private_subnet_ids, lb_security_group_id=lb.security_group_id,
             target_group_arn=lb.target_group_arns[slot], repository_arn=images.repository_arn,
             secret_arn=api_keys.secret_arn, spot_alternatives=capacity.same_gpu_alternatives(3),
-            requires_draft=capacity.estimate.draft is not None,
         ), opts=pulumi.ResourceOptions(depends_on=[store]))
     alerting = Alerting("alerts", AlertingArgs(
         stack=stack, region=region, rules=alert_rules(config), runbook_base_url=config.alerting.runbook_base_url,

@@ -19,9 +19,7 @@ from infra.components.kubernetes.observability import ServingObservability, Serv
 from infra.components.kubernetes.release_slot import ReleaseSlot, ReleaseSlotArgs
 from infra.components.kubernetes.routing import WeightedRouting, WeightedRoutingArgs
 from infra.components.kubernetes.security import ServingGuards, ServingGuardsArgs
-from infra.config import StackConfig
-
-SLOTS = ("blue", "green")
+from infra.config import SLOTS, StackConfig
 
 
 @dataclass(frozen=True)

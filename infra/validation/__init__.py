@@ -1,5 +1,5 @@
 """Launch validation: load generator, speculative A/B, report, and the runner behind
-``specdeploy validate`` (the checks themselves are the pytest suite in ``tests/launch``).
+``specdeploy validate`` (the checks themselves are the pytest suite in ``infra/validation/launch``).
 
 Nothing here imports torch or the server: it talks to any deployment over HTTP.
 """

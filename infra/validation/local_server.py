@@ -11,20 +11,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import httpx
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+from serving.net import NotReady, free_port, wait_until_ready
 
 
 def config_path_of(cmdline: Sequence[str], environ: Mapping[str, str], cwd: Path | None = None) -> Path | None:
@@ -40,24 +32,6 @@ def config_path_of(cmdline: Sequence[str], environ: Mapping[str, str], cwd: Path
         return None
     path = Path(value)
     return path if path.is_absolute() or cwd is None else cwd / path
-
-
-def wait_ready(endpoint: str, timeout_s: float, process: subprocess.Popen[bytes] | None = None) -> None:
-    """Poll GET /ready until 200; raise with the reason if the process exits or time runs out."""
-    deadline = time.monotonic() + timeout_s
-    reason = "no answer"
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"server exited with code {process.returncode} before becoming ready")
-        try:
-            response = httpx.get(f"{endpoint}/ready", timeout=5)
-            if response.status_code == 200:
-                return
-            reason = response.text[:200]
-        except httpx.HTTPError as exc:
-            reason = f"{type(exc).__name__}"
-        time.sleep(0.5)
-    raise TimeoutError(f"{endpoint} not ready after {timeout_s:.0f}s: {reason}")
 
 
 class ServerProcess:
@@ -88,8 +62,8 @@ class ServerProcess:
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=self.cwd)
         try:
-            wait_ready(self.endpoint, ready_timeout_s, self.process)
-        except (RuntimeError, TimeoutError) as exc:
+            wait_until_ready(self.endpoint, ready_timeout_s, self.process)
+        except NotReady as exc:
             self.stop()
             tail = self.log_path.read_text(encoding="utf-8", errors="replace")[-2000:]
             raise RuntimeError(f"{exc}\n--- server log tail ---\n{tail}") from exc

@@ -252,17 +252,34 @@ def _spread(value: Any) -> str:
     return f"{value[1]:.2f}–{value[2]:.2f}"
 
 
+def served_by(stack: str) -> str:
+    """How the stack's server runs: the image under podman, this checkout's process, or the platform."""
+    from infra.config import ConfigError, load_stack
+
+    try:
+        config = load_stack(stack).config
+    except (ConfigError, OSError, ValueError):
+        return ""  # a stack file not at hand (a report rendered elsewhere): say nothing rather than guess
+    if config.platform != "local":
+        return f"platform {config.platform}"
+    if config.local.runtime == "container":
+        return f"container (image {config.local.image}, podman)"
+    return "local process (this checkout)"
+
+
 def render_html(run: LaunchRun) -> str:
     verdict = "PASS" if run.passed else "FAIL"
     counts = run.counts()
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(run.started_at))
+    server = served_by(run.stack)
     parts = [
         "<!doctype html><html lang='en'><head><meta charset='utf-8'>",
         f"<title>specdeploy launch report: {html.escape(run.stack)} ({verdict})</title>",
         f"<style>{_CSS}</style></head><body>",
         f"<h1>Launch validation: stack <code>{html.escape(run.stack)}</code></h1>",
         f"<p>Endpoint <code>{html.escape(run.endpoint)}</code>, profile <b>{html.escape(run.profile)}</b>, "
-        f"started {when}, {((run.finished_at or time.time()) - run.started_at) / 60:.1f} min.</p>",
+        f"started {when}, {((run.finished_at or time.time()) - run.started_at) / 60:.1f} min."
+        + (f" Server: <b>{html.escape(server)}</b>." if server else "") + "</p>",
         f"<p class='verdict {'pass' if run.passed else 'fail'}'>{verdict}</p> "
         f"<span>{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped</span>",
     ]
@@ -314,6 +331,9 @@ def render_markdown(run: LaunchRun, report_dir: Path | None = None) -> str:
         "",
         f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped; endpoint {run.endpoint}.",
     ]
+    server = served_by(run.stack)
+    if server:
+        lines += ["", f"Server: {server}."]
     failed = [c for c in run.checks if c.outcome == "failed"]
     if failed:
         lines += ["", "## Failed checks", ""]

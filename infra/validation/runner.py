@@ -1,4 +1,4 @@
-"""``run_validation``: run the launch suite (tests/launch) against one endpoint and return the gate.
+"""``run_validation``: run the launch suite (infra/validation/launch) against one endpoint and return the gate.
 
 The suite runs in its own pytest process, so a caller (``specdeploy validate``, ``specdeploy
 rollout``, the CI test) gets a clean interpreter for it and can run it more than once.
@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infra.config import REPO_ROOT, load_stack
+from infra.config import load_stack, project_dir
 from infra.validation.profiles import get_profile
 from infra.validation.record import REPORT_HTML, REPORT_JSON, REPORT_MD
 
-LAUNCH_SUITE = REPO_ROOT / "tests" / "launch"
+# Packaged with infra, so an installed wheel runs the same checks as a source checkout.
+LAUNCH_SUITE = Path(__file__).resolve().parent / "launch"
 API_KEY_ENV = "SPECDEPLOY_API_KEY"
 # Beyond the load the profile asks for: start-up checks, functional checks, report rendering.
 _TIMEOUT_MARGIN_S = 900
@@ -36,10 +37,6 @@ class ValidationResult:
     @property
     def report_html(self) -> Path:
         return self.report_dir / REPORT_HTML
-
-    @property
-    def report_json(self) -> Path:
-        return self.report_dir / REPORT_JSON
 
     @property
     def report_markdown(self) -> Path:
@@ -75,7 +72,8 @@ def local_api_key(stack: str) -> str | None:
 
 
 def default_report_dir(stack: str, profile: str) -> Path:
-    return REPO_ROOT / "reports" / f"{stack}-{profile}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    """``<project>/reports/<stack>-<profile>-<UTC time>``."""
+    return project_dir() / "reports" / f"{stack}-{profile}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
 
 
 def pytest_command(endpoint: str, stack: str, profile: str, report_dir: Path, hosts: Sequence[str] | None = None,
@@ -101,13 +99,14 @@ def run_validation(endpoint: str | None, stack: str, profile: str = "quick", rep
     """
     get_profile(profile)  # fail fast on a typo, before a subprocess starts
     endpoint = endpoint or default_endpoint(stack)
-    directory = Path(report_dir) if report_dir is not None else default_report_dir(stack, profile)
+    directory = Path(report_dir).resolve() if report_dir is not None else default_report_dir(stack, profile)
     env = dict(os.environ)
     api_key = api_key or env.get(API_KEY_ENV) or local_api_key(stack)
     if api_key is not None:
         env[API_KEY_ENV] = api_key
     command = pytest_command(endpoint, stack, profile, directory, hosts, extra_args)
-    completed = subprocess.run(command, cwd=REPO_ROOT, env=env, check=False)
+    # In the project directory, the suite finds the same Pulumi.yaml and stacks as this process.
+    completed = subprocess.run(command, cwd=project_dir(), env=env, check=False)
     summary: dict[str, Any] = {}
     report = directory / REPORT_JSON
     if report.is_file():

@@ -1,28 +1,15 @@
 """The arithmetic of a benchmark: percentiles, the TPOT formula, linear trends, error clustering.
 
-Percentiles interpolate linearly between order statistics (numpy's default), so P99 of a small
-sample is close to its maximum rather than pretending to a precision it does not have.
+Percentiles come from serving.stats (linear interpolation, shared with the engine benchmarks).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import combinations
 
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0..100) by linear interpolation; None for an empty sample."""
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile q must lie in [0, 100], got {q}")
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+from serving.stats import percentile
 
 
 @dataclass(frozen=True)

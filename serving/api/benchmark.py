@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from serving.net import NotReady, free_port, wait_until_ready
 
 GOAL = 0.95
 SERVED_NAME = "bench"
@@ -130,12 +131,6 @@ def _engine_request(engine: Any, prompt: list[int], output_len: int) -> Any:
     return bench_engine(engine, [prompt], 1, output_len)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextlib.contextmanager
 def _server(model_dir: Path, workdir: Path, output_len: int, threads: int) -> Iterator[tuple[str, int]]:
     """`specdeploy serve` for the model (published to a scratch file:// store first), ready; yields its
@@ -144,7 +139,7 @@ def _server(model_dir: Path, workdir: Path, output_len: int, threads: int) -> It
 
     store = f"file://{workdir / 'store'}"
     push(model_dir, store)
-    port = _free_port()
+    port = free_port()
     config = {
         "service": {"host": "127.0.0.1", "port": port, "served_model_name": SERVED_NAME, "weights_uri": store},
         "model": {"path": str(workdir / "model"), "dtype": "fp32", "device": "cpu", "kv_cache_bytes": 256 * 2**20},
@@ -158,7 +153,10 @@ def _server(model_dir: Path, workdir: Path, output_len: int, threads: int) -> It
                                  str(workdir / "server.yaml")], env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(base, proc, workdir / "server.log")
+        try:
+            wait_until_ready(base, 600, proc, poll_s=0.2)
+        except NotReady as exc:
+            raise RuntimeError(f"{exc}\n{(workdir / 'server.log').read_text()[-4000:]}") from exc
         yield base, proc.pid
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -176,26 +174,6 @@ def _process_cpu_s(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _wait_ready(base: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 600) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
-        try:
-            response = httpx.get(f"{base}/ready", timeout=2)
-            if response.status_code == 200:
-                return
-            reason = response.json().get("reason", "")
-            if reason.startswith(("weights verification failed", "start-up failed")):
-                raise RuntimeError(f"server refused readiness: {reason}")
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"server not ready after {timeout_s:.0f}s")
 
 
 def _complete(client: object, prompt: list[int], max_tokens: int, stream: bool) -> tuple[int, float]:

@@ -6,19 +6,13 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from serving.api.auth import authenticate
 from serving.api.errors import ApiError
-from serving.api.settings import ApiKeyEntry, Settings
 from serving.api.state import Engine, ServerState
 
 
 def get_state(request: Request) -> ServerState:
     state: ServerState = request.app.state.server
     return state
-
-
-def get_settings(request: Request) -> Settings:
-    return get_state(request).settings
 
 
 def get_ready_engine(request: Request) -> Engine:
@@ -30,7 +24,12 @@ def get_ready_engine(request: Request) -> Engine:
     return state.engine
 
 
+def check_model(state: ServerState, model: str) -> None:
+    """404 unless ``model`` is the name this server serves."""
+    if model != state.settings.model_name:
+        raise ApiError(404, f"model {model!r} does not exist; this server serves {state.settings.model_name!r}",
+                       param="model", code="model_not_found")
+
+
 StateDep = Annotated[ServerState, Depends(get_state)]
-SettingsDep = Annotated[Settings, Depends(get_settings)]
 EngineDep = Annotated[Engine, Depends(get_ready_engine)]
-ApiKey = Annotated[ApiKeyEntry | None, Depends(authenticate)]

@@ -13,6 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from serving.api.schemas import SCHEMA_ERROR_CODES
+
 logger = logging.getLogger(__name__)
 
 _TYPES = {
@@ -81,6 +83,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if first.get("type") in SCHEMA_ERROR_CODES:
+        return message, param, str(first["type"])
     if first.get("type") == "missing":
         return f"missing required parameter: {param}", param, "missing_required_parameter"
     return f"{param}: {message}" if param else message, param, "invalid_value"

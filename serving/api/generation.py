@@ -1,9 +1,15 @@
-"""The path every generation request takes: tokenize → admit → run with a deadline → account.
+"""The one path every generation request takes, top to bottom: admit → run → respond.
 
-Admission is token-aware and answers at once: a request that can never fit is a 400 naming the
-numbers, one that cannot be queued now is a 429 (queue full) or 503 (its expected queue wait
-already exceeds the request timeout), both with Retry-After. A running request is aborted, and its
-KV blocks freed, when its deadline passes or its client goes away.
+Each check happens once, at its layer:
+- the body's shape and ranges (sampling fields, an empty prompt): the pydantic schemas, before a router runs;
+- the served model name: ``check_model`` (serving/api/deps.py), before the prompt is built;
+- the server's limits (input / output length, context) and its expected queue wait: ``start_run``, here;
+- the engine's own limits (token ids, KV cache, queue): the engine's one admission check, which runs when
+  the run starts, before any output, so a stream can still answer with its status code.
+
+A request that can never fit is a 400 naming the numbers; one that cannot be queued now is a 429 (queue
+full) or 503 (its expected queue wait already exceeds the request timeout), both with Retry-After. A
+running request is aborted, and its KV blocks freed, when its deadline passes or its client goes away.
 """
 
 from __future__ import annotations
@@ -12,67 +18,51 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from typing import Any
 
-from starlette.types import Receive
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from starlette.responses import Response
 
+from serving.api.disconnect import ClientGone, until_disconnect
 from serving.api.errors import ApiError
+from serving.api.middleware import STATUS_CLIENT_CLOSED
 from serving.api.schemas import SamplingFields
+from serving.api.sse import DONE, EventStreamResponse, sse_event
 from serving.api.state import Engine, ServerState
-from serving.engine.types import EngineDeadError, GenerationRequest, RequestOutput, RequestRejected, SamplingParams
+from serving.engine.types import (
+    EngineDeadError,
+    GenerationRequest,
+    RequestOutput,
+    RequestRejected,
+    SamplingParams,
+    TokenLogprobs,
+)
 
-T = TypeVar("T")
+# ---- admit ----------------------------------------------------------------------------------------------
 
 
-class ClientGone(Exception):
-    """The client disconnected before the response was complete."""
+def start_run(request: Request, state: ServerState, engine: Engine, body: SamplingFields, prompt_ids: list[int],
+              max_tokens: int | None, logprobs: int | None, id_prefix: str) -> GenerationRun:
+    """Check the server's limits, admit (or refuse at once), and return the run, not yet started."""
+    tokens = resolve_max_tokens(state, engine, max_tokens, len(prompt_ids))
+    generation = GenerationRequest(new_request_id(id_prefix), prompt_ids, sampling_params(body, tokens, logprobs))
+    admit(state, engine, generation)
+    scope_state = request.scope.setdefault("state", {})
+    fields: dict[str, Any] = scope_state.setdefault("log_fields", {})
+    fields["engine_request_id"] = generation.request_id
+    return GenerationRun(state, engine, generation, scope_state.get("received_at", time.monotonic()), fields)
 
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def encode_text(tokenizer: Any, text: str) -> list[int]:
-    ids = tokenizer.encode(text, add_special_tokens=True)
-    return list(ids)
-
-
-def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Render the tokenizer's chat template with the assistant prompt appended, then tokenize."""
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ApiError(400, "this model has no chat template; use /v1/completions", code="no_chat_template")
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as exc:  # template errors are the request's fault (e.g. role order)
-        raise ApiError(400, f"messages: cannot apply the chat template: {exc}", param="messages") from exc
-    # The template already carries BOS and special tokens.
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
-    params = SamplingParams(
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=0 if body.top_k is None else body.top_k,
-        seed=body.seed,
-        max_tokens=max_tokens,
-        stop=body.stop_list,
-        ignore_eos=body.ignore_eos,
-        logprobs=logprobs,
-    )
-    try:
-        params.validate()
-    except ValueError as exc:
-        raise ApiError(400, str(exc), param=str(exc).split(" ", 1)[0], code="invalid_value") from exc
-    return params
-
-
 def resolve_max_tokens(state: ServerState, engine: Engine, requested: int | None, prompt_len: int) -> int:
-    """Check the prompt against the limits and pick max_tokens (default: what fits, capped)."""
+    """Check the prompt against the server's limits and pick max_tokens (default: what fits, capped)."""
     limits = state.settings.config.scheduler
     context = min(engine.max_model_len, state.settings.config.max_model_len)
-    if prompt_len == 0:
-        raise ApiError(400, "prompt is empty", param="prompt", code="empty_prompt")
     if prompt_len > limits.max_input_len:
         raise ApiError(400, f"prompt has {prompt_len} tokens; the maximum input length is {limits.max_input_len}",
                        param="prompt", code="context_length_exceeded")
@@ -86,32 +76,51 @@ def resolve_max_tokens(state: ServerState, engine: Engine, requested: int | None
     return max_tokens
 
 
+def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """The body's sampling fields (already range-checked by the schema) as the engine's parameters."""
+    return SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=0 if body.top_k is None else body.top_k,
+        seed=body.seed,
+        max_tokens=max_tokens,
+        stop=body.stop_list,
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+    )
+
+
 def admit(state: ServerState, engine: Engine, request: GenerationRequest) -> None:
+    """The server's admission: refuse at once what would wait past its timeout in the queue. (The engine's
+    own limits are the engine's to check, once, when the run starts.)"""
     timeout = state.settings.config.scheduler.request_timeout_s
-    try:
-        engine.check_admission(request)
-    except RequestRejected as exc:
-        if exc.kind in ("never_fits", "invalid"):
-            raise ApiError(400, exc.reason, code="context_length_exceeded" if exc.kind == "never_fits"
-                           else "invalid_value") from exc
-        if exc.kind == "queue_full":
-            raise ApiError(429, f"server busy: {exc.reason}", code="queue_full",
-                           retry_after=_retry_after(state)) from exc
-        raise ApiError(503, exc.reason, code="unavailable", retry_after=_retry_after(state)) from exc
-    stats = engine.stats()
-    wait = state.expected_queue_wait_s(stats)
+    wait = state.expected_queue_wait_s(engine.stats())
     if wait > timeout:
         raise ApiError(503, f"overloaded: expected queue wait {wait:.1f}s exceeds the request timeout {timeout:g}s",
                        code="overloaded", retry_after=min(wait, 60.0))
+
+
+def rejection_error(state: ServerState, exc: RequestRejected) -> ApiError:
+    """The engine refused the request: 400 if the request is wrong, 429 / 503 with Retry-After if it may retry."""
+    if exc.kind == "never_fits":
+        return ApiError(400, exc.reason, code="context_length_exceeded")
+    if exc.kind == "invalid":
+        return ApiError(400, exc.reason, code="invalid_value")
+    if exc.kind == "queue_full":
+        return ApiError(429, f"server busy: {exc.reason}", code="queue_full", retry_after=_retry_after(state))
+    return ApiError(503, exc.reason, code="unavailable", retry_after=_retry_after(state))
 
 
 def _retry_after(state: ServerState) -> float:
     return max(1.0, min(state.service_time_s or 1.0, 60.0))
 
 
+# ---- run ------------------------------------------------------------------------------------------------
+
+
 class GenerationRun:
-    """One admitted request: iterate ``outputs()``; records latency metrics and frees the engine
-    request on every exit path (finish, timeout, disconnect, error)."""
+    """One request on its way through the engine: iterate ``outputs()``; records latency metrics and frees
+    the engine request on every exit path (finish, timeout, disconnect, error)."""
 
     def __init__(self, state: ServerState, engine: Engine, request: GenerationRequest, received_at: float,
                  log_fields: dict[str, Any]) -> None:
@@ -129,7 +138,7 @@ class GenerationRun:
         log_fields["prompt_tokens"] = self.prompt_tokens
 
     async def prime(self) -> None:
-        """Wait for the first output, so a stream's status code can still say 429/503/504 (the
+        """Wait for the first output, so a stream's status code can still say 400/429/503/504 (the
         headers go out only after this)."""
         stream = self._generate()
         self._primed = (stream, await anext(stream))
@@ -156,10 +165,9 @@ class GenerationRun:
     async def _generate(self) -> AsyncIterator[RequestOutput]:
         timeout = self.state.settings.config.scheduler.request_timeout_s
         deadline = self.received_at + timeout
-        metrics = self.state.metrics
         self.state.begin_request()
         stream = self.engine.generate(self.request)
-        finished = False
+        in_engine, finished = True, False
         try:
             while True:
                 remaining = deadline - time.monotonic()
@@ -170,9 +178,9 @@ class GenerationRun:
                         output = await anext(stream)
                 except StopAsyncIteration:
                     break
-                except RequestRejected as exc:  # lost a race for the last queue slot
-                    raise ApiError(429 if exc.retryable else 400, exc.reason, code=exc.kind,
-                                   retry_after=_retry_after(self.state) if exc.retryable else None) from exc
+                except RequestRejected as exc:  # the engine's admission, on the first output
+                    in_engine = False
+                    raise rejection_error(self.state, exc) from exc
                 except EngineDeadError as exc:
                     raise ApiError(503, f"engine unavailable: {exc}", code="engine_unavailable",
                                    retry_after=5) from exc
@@ -185,17 +193,10 @@ class GenerationRun:
                     finished = True
                     break
         finally:
-            if not finished:
+            if in_engine and not finished:
                 await self.engine.abort(self.request.request_id)
             await _close(stream)
-            e2e = None
-            if finished and self.finish_reason != "abort":
-                e2e = (self.last_chunk_at or time.monotonic()) - self.received_at
-                metrics.e2e.observe(e2e)
-                if self.first_token_at is not None and self.completion_tokens > 1:
-                    metrics.tpot.observe((e2e - (self.first_token_at - self.received_at))
-                                         / (self.completion_tokens - 1))
-            self.state.end_request(e2e)
+            self.state.end_request(self._record_latency() if finished else None)
 
     def _account(self, output: RequestOutput) -> None:
         now = time.monotonic()
@@ -206,7 +207,7 @@ class GenerationRun:
                 ttft = now - self.received_at
                 metrics.ttft.observe(ttft)
                 self.log_fields["ttft_s"] = round(ttft, 6)
-                metrics.queue_time.observe(_queue_time(output, now))
+                metrics.queue_time.observe(_queue_time(output))
             elif self.last_chunk_at is not None:
                 metrics.itl.observe(now - self.last_chunk_at)
             self.last_chunk_at = now
@@ -216,18 +217,26 @@ class GenerationRun:
         if output.finished:
             self.finish_reason = output.finish_reason
 
+    def _record_latency(self) -> float | None:
+        """End-to-end latency and time per output token of a finished request (None if it was aborted)."""
+        if self.finish_reason == "abort":
+            return None
+        e2e = (self.last_chunk_at or time.monotonic()) - self.received_at
+        self.state.metrics.e2e.observe(e2e)
+        if self.first_token_at is not None and self.completion_tokens > 1:
+            self.state.metrics.tpot.observe((e2e - (self.first_token_at - self.received_at))
+                                            / (self.completion_tokens - 1))
+        return e2e
+
     @property
     def usage(self) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
 
-def _queue_time(output: RequestOutput, now: float) -> float:
-    # The engine reports when it scheduled a request first where it can; otherwise the time between
-    # its arrival in the engine and its first token bounds the queue time from above.
-    scheduled = getattr(output, "first_scheduled_time", None)
-    if scheduled is not None and output.arrival_time:
-        return max(0.0, float(scheduled) - output.arrival_time)
+def _queue_time(output: RequestOutput) -> float:
+    # The engine does not report when it first scheduled the request; the time between its arrival in the
+    # engine and its first token bounds the queue time from above.
     if output.arrival_time and output.first_token_time:
         return max(0.0, output.first_token_time - output.arrival_time)
     return 0.0
@@ -239,28 +248,60 @@ async def _close(stream: AsyncIterator[RequestOutput]) -> None:
         await aclose()
 
 
-async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
-    """Run ``work``; if the client disconnects first, cancel it (its cleanup runs) and raise ClientGone."""
-    task = asyncio.ensure_future(work)
+# ---- respond --------------------------------------------------------------------------------------------
 
-    async def watch() -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
 
-    watcher = asyncio.ensure_future(watch())
+@dataclass
+class Collected:
+    text: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+async def respond(request: Request, run: GenerationRun, stream: AsyncIterator[dict[str, Any]] | None,
+                  whole: Callable[[Collected], dict[str, Any]]) -> Response:
+    """SSE when ``stream`` is given (headers only once the first token is there); else wait for the
+    whole output. Either way the generation is aborted if the client leaves."""
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        try:
-            await task
-        except (asyncio.CancelledError, Exception):  # the client is gone; cleanup ran
-            pass
-        raise ClientGone
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
+        if stream is not None:
+            await until_disconnect(request.receive, run.prime())
+            return EventStreamResponse(sse_events(stream), on_close=run.close)
+        result = await until_disconnect(request.receive, collect(run))
+    except ClientGone:
+        return Response(status_code=STATUS_CLIENT_CLOSED)
+    return JSONResponse(whole(result))
+
+
+async def collect(run: GenerationRun) -> Collected:
+    result = Collected()
+    parts: list[str] = []
+    async for output in run.outputs():
+        parts.append(output.new_text)
+        result.logprobs.extend(output.logprobs or [])
+        if output.finished:
+            result.finish_reason = output.finish_reason
+    result.text = "".join(parts)
+    if result.finish_reason in (None, "abort"):
+        raise aborted_error()
+    return result
+
+
+async def sse_events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    """Serialize chunks; a failure after the headers went out becomes an error event (no [DONE])."""
+    try:
+        async for chunk in chunks:
+            yield sse_event(chunk)
+    except ApiError as exc:
+        yield sse_event(exc.body())
+        return
+    yield DONE
+
+
+def check_finish(output: RequestOutput) -> None:
+    """A stream's last chunk: an aborted generation (server shutting down) is an error, not an answer."""
+    if output.finished and output.finish_reason in (None, "abort"):
+        raise aborted_error()
+
+
+def aborted_error() -> ApiError:
+    return ApiError(503, "generation was aborted (server shutting down)", code="aborted", retry_after=5)

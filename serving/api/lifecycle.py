@@ -28,7 +28,7 @@ def verify_weights(config: ServerConfig) -> None:
     """Pull ``service.weights_uri`` into ``model.path`` if set; verify the target and the draft."""
     ensure_local(Path(config.model.path), config.service.weights_uri)
     spec = config.speculative
-    if spec.enabled and spec.method == "draft" and spec.draft_model:
+    if spec.uses_draft_model and spec.draft_model:
         try:
             verify_dir(Path(spec.draft_model))
         except WeightsError as exc:
@@ -37,34 +37,9 @@ def verify_weights(config: ServerConfig) -> None:
 
 def build_engine(settings: Settings) -> Engine:
     """The real engine, configured from the server config file."""
-    from serving.engine import AsyncEngine, EngineConfig, SpeculativeConfig
+    from serving.engine import AsyncEngine, EngineConfig
 
-    config = settings.config
-    scheduler = config.scheduler
-    spec = config.speculative
-    engine_config = EngineConfig(
-        model=config.model.path,
-        dtype=config.model.dtype,
-        device=config.model.device,
-        kv_block_size=scheduler.kv_block_size,
-        kv_cache_bytes=config.model.kv_cache_bytes,
-        max_memory_utilization=config.model.max_memory_utilization,
-        max_num_seqs=scheduler.max_concurrency,
-        max_num_batched_tokens=scheduler.max_batched_tokens,
-        # Only an explicit limit: the engine otherwise takes the checkpoint's own positions, and the API
-        # checks requests against min(engine limit, max_input_len + max_output_len).
-        max_model_len=config.model.max_model_len,
-        max_queue=scheduler.max_queue,
-        speculative=SpeculativeConfig(
-            enabled=spec.enabled,
-            method=spec.method,
-            draft_model=spec.draft_model,
-            num_draft_tokens=spec.num_draft_tokens,
-            adaptive=spec.adaptive,
-            ngram_min=spec.ngram_min,
-            ngram_max=spec.ngram_max,
-        ),
-    )
+    engine_config = EngineConfig.from_server_config(settings.config)
     engine: Engine = AsyncEngine.from_config(engine_config)
     return engine
 

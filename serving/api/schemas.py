@@ -6,9 +6,13 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 MAX_STOP_SEQUENCES = 4
 MAX_LOGPROBS = 20
+# Errors these schemas raise with their own code; the message names the field itself.
+EMPTY_PROMPT = "empty_prompt"
+SCHEMA_ERROR_CODES = frozenset({EMPTY_PROMPT})
 
 
 class _Body(BaseModel):
@@ -107,9 +111,13 @@ class CompletionRequest(SamplingFields):
     def _single_prompt(
         cls, value: str | list[str] | list[int] | list[list[int]]
     ) -> str | list[str] | list[int] | list[list[int]]:
+        single = value
         if isinstance(value, list) and value and isinstance(value[0], (str, list)):
             if len(value) != 1:
                 raise ValueError("batched prompts are not supported; send one prompt per request")
+            single = value[0]
+        if not single:
+            raise PydanticCustomError(EMPTY_PROMPT, "prompt is empty")
         return value
 
     @property

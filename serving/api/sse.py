@@ -14,7 +14,7 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from serving.api.generation import ClientGone, until_disconnect
+from serving.api.disconnect import ClientGone, until_disconnect
 
 DONE = b"data: [DONE]\n\n"
 

@@ -64,8 +64,6 @@ class AsyncEngine:
         for request_id in list(self._streams):
             self._deliver_error(request_id, EngineDeadError("engine stopped"))
 
-    shutdown = stop
-
     @property
     def healthy(self) -> bool:
         """False once the step loop has failed or stopped."""
@@ -97,15 +95,13 @@ class AsyncEngine:
         """Raise RequestRejected: kind "invalid"/"never_fits" (400) or "queue_full"/"unavailable" (429/503)."""
         if not self.healthy:
             raise RequestRejected("unavailable", f"engine is not running ({self._error or 'stopped'})")
-        self.engine.check_admission(request)
-        queued = len(self.engine.scheduler.waiting) + self._pending_adds
-        if queued >= self.engine.config.max_queue:
-            raise RequestRejected("queue_full", f"{queued} requests already queued")
+        self.engine.check_admission(request, queued_elsewhere=self._pending_adds)
         if request.request_id in self._streams:
             raise RequestRejected("invalid", f"request_id {request.request_id!r} is already running")
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        """Stream the request's outputs; closing the iterator early (client gone) aborts the request."""
+        """Admit the request (RequestRejected on the first iteration, before any output) and stream its
+        outputs; closing the iterator early (client gone) aborts the request."""
         self.check_admission(request)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request.request_id] = stream
@@ -117,7 +113,7 @@ class AsyncEngine:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     finished = True
-                    if isinstance(item, (EngineDeadError, RequestRejected)):
+                    if isinstance(item, EngineDeadError):
                         raise item
                     raise EngineDeadError(f"engine loop failed: {item!r}") from item
                 finished = item.finished
@@ -163,12 +159,9 @@ class AsyncEngine:
     def _apply_commands(self) -> None:
         while self._commands:
             kind, payload = self._commands.popleft()
-            if kind == "add":
+            if kind == "add":  # admitted by generate(): counted as pending until it is in the queue
+                self.engine.enqueue(payload)
                 self._pending_adds -= 1
-                try:
-                    self.engine.add_request(payload)
-                except RequestRejected as exc:  # the queue filled between check and add
-                    self._deliver_error(payload.request_id, exc)
             elif kind == "abort":
                 request_id, done = payload
                 output = self.engine.abort_request(request_id)

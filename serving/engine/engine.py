@@ -25,6 +25,7 @@ from serving.engine.sampling import compute_logprobs, sample_requests
 from serving.engine.scheduler import Scheduler, SchedulerOutput
 from serving.engine.spec.draft import DraftModelProposer
 from serving.engine.spec.ngram import NgramProposer
+from serving.engine.spec.proposer import Proposer
 from serving.engine.spec.speculator import Speculator
 from serving.engine.types import (
     EngineStats,
@@ -73,7 +74,6 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
-        config.validate()
         if config.num_threads:
             # process-wide, set when the engine is built (never at import): small models on a busy CPU
             # run several times faster on one thread than on threads that wait for each other
@@ -98,8 +98,11 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------------------------------
 
-    def check_admission(self, request: GenerationRequest) -> None:
-        """Raise RequestRejected if the request is invalid, can never fit, or cannot be queued now."""
+    def check_admission(self, request: GenerationRequest, queued_elsewhere: int = 0) -> None:
+        """Raise RequestRejected if the request is invalid, can never fit, or cannot be queued now.
+
+        The one admission check: every limit of the engine is tested here, once per request.
+        queued_elsewhere: requests admitted but not yet in the scheduler's queue (the async wrapper's)."""
         try:
             request.params.validate()
         except ValueError as exc:
@@ -126,11 +129,16 @@ class LLMEngine:
                 f"prompt + max_tokens = {total} tokens needs {needed} KV blocks of {self.block_size}; "
                 f"the cache has {self.blocks.num_blocks} in all",
             )
-        if len(self.scheduler.waiting) >= self.config.max_queue:
-            raise RequestRejected("queue_full", f"{len(self.scheduler.waiting)} requests already queued")
+        queued = len(self.scheduler.waiting) + queued_elsewhere
+        if queued >= self.config.max_queue:
+            raise RequestRejected("queue_full", f"{queued} requests already queued")
 
     def add_request(self, request: GenerationRequest) -> None:
         self.check_admission(request)
+        self.enqueue(request)
+
+    def enqueue(self, request: GenerationRequest) -> None:
+        """Queue a request that check_admission accepted (add_request checks it first)."""
         self.scheduler.add_request(Request(
             request.request_id,
             request.prompt_token_ids,
@@ -171,6 +179,7 @@ class LLMEngine:
     def execute(self, sched: SchedulerOutput) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
         """Run the step's forward; sample (or verify drafts) for every request that reaches its end."""
         seqs, sampling, drafts = [], [], []
+        starts = [0]  # sampling request i owns logits rows [starts[i], starts[i + 1]): last real token, drafts
         for req in sched.scheduled:
             n = sched.num_scheduled_tokens[req.request_id]
             start = req.num_computed_tokens
@@ -186,24 +195,26 @@ class LLMEngine:
             if samples:
                 sampling.append(req)
                 drafts.append(spec)
+                starts.append(starts[-1] + len(spec) + 1)
         batch = build_forward_batch(seqs, self.block_size, self.args.n_rep, self.device, self.dtype)
         hidden = self.model(batch, self.cache)
         if not sampling:
             return {}, {}
         logits = self.model.compute_logits(hidden, batch.logits_index)  # [rows, vocab] fp32, request order
-        emitted = self.sample_or_verify(sampling, drafts, logits)
+        emitted = self.sample_or_verify(sampling, drafts, logits, starts)
         sampled = {r.request_id: tokens for r, tokens in zip(sampling, emitted, strict=True)}
-        return sampled, self.logprobs_of(sampling, drafts, emitted, logits)
+        return sampled, self.logprobs_of(sampling, emitted, logits, starts)
 
-    def sample_or_verify(self, reqs: list[Request], drafts: list[list[int]], logits: torch.Tensor) -> list[list[int]]:
-        """One token per plain request; accepted drafts plus one token per verifying request."""
+    def sample_or_verify(
+        self, reqs: list[Request], drafts: list[list[int]], logits: torch.Tensor, starts: list[int]
+    ) -> list[list[int]]:
+        """One token per plain request; accepted drafts plus one token per verifying request.
+
+        starts: request i's rows are logits[starts[i] : starts[i + 1]] (one, or 1 + its drafts)."""
         if not any(drafts):
             tokens = sample_requests(logits, [r.params for r in reqs], [r.generator for r in reqs])
             return [[t] for t in tokens.tolist()]
         assert self.speculator is not None
-        starts = [0]
-        for d in drafts:
-            starts.append(starts[-1] + len(d) + 1)
         plain = [i for i, d in enumerate(drafts) if not d]
         verifying = [i for i, d in enumerate(drafts) if d]
         emitted: list[list[int]] = [[] for _ in reqs]
@@ -212,21 +223,18 @@ class LLMEngine:
             sampled = sample_requests(logits[idx], [reqs[i].params for i in plain], [reqs[i].generator for i in plain])
             for i, t in zip(plain, sampled.tolist(), strict=True):
                 emitted[i] = [t]
-        idx = torch.tensor([row for i in verifying for row in range(starts[i], starts[i + 1])], device=logits.device)
-        verified = self.speculator.verify([reqs[i] for i in verifying], [drafts[i] for i in verifying], logits[idx])
+        rows = [range(starts[i], starts[i + 1]) for i in verifying]
+        verified = self.speculator.verify([reqs[i] for i in verifying], [drafts[i] for i in verifying], logits, rows)
         for i, accepted in zip(verifying, verified, strict=True):
             emitted[i] = accepted
         return emitted
 
     def logprobs_of(
-        self, reqs: list[Request], drafts: list[list[int]], emitted: list[list[int]], logits: torch.Tensor
+        self, reqs: list[Request], emitted: list[list[int]], logits: torch.Tensor, starts: list[int]
     ) -> dict[str, list[TokenLogprobs]]:
         wants = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         if not wants:
             return {}
-        starts = [0]
-        for d in drafts:
-            starts.append(starts[-1] + len(d) + 1)
         rows = [starts[i] + j for i in wants for j in range(len(emitted[i]))]
         tokens = torch.tensor([t for i in wants for t in emitted[i]], device=logits.device)
         top_n = [reqs[i].params.logprobs or 0 for i in wants for _ in emitted[i]]
@@ -265,7 +273,7 @@ def build_speculator(
     config: EngineConfig, model: Transformer, dtype: torch.dtype, device: torch.device, num_blocks: int
 ) -> Speculator:
     spec = config.speculative
-    proposer: NgramProposer | DraftModelProposer
+    proposer: Proposer
     if spec.method == "ngram":
         proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
     else:

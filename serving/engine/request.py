@@ -65,11 +65,6 @@ class Request:
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 
-    @property
-    def max_total_tokens(self) -> int:
-        """Tokens this request may ever hold in the cache."""
-        return min(self.num_prompt_tokens + self.params.max_tokens, self.max_model_len)
-
     def append_output_tokens(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None = None) -> None:
         """Append sampled tokens in order, stopping at the first that finishes the request."""
         if self.first_token_time is None and token_ids:

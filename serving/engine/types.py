@@ -142,7 +142,3 @@ class EngineStats:
     last_step_s: float
     recent_step_durations_s: list[float]  # the last few hundred step durations, oldest first
     spec: SpecStats = field(default_factory=SpecStats)
-
-    @property
-    def kv_usage(self) -> float:
-        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0

@@ -49,6 +49,12 @@ def open_store(uri: str, endpoint_url: str | None = None) -> ObjectStore:
     raise WeightsError(f"{uri}: unsupported store URI (use s3://bucket/prefix or file:///path)")
 
 
+# Weights are read by the server, which may run as another uid than the one that pushed or pulled them
+# (the image's user 10001, a root `specdeploy up`): readable by all, writable by the owner, whatever the umask.
+FILE_MODE = 0o644
+DIR_MODE = 0o755
+
+
 def _copy(src: Path, dst: Path, progress: ProgressFn | None) -> None:
     with src.open("rb") as fin, dst.open("wb") as fout:
         while chunk := fin.read(_CHUNK):
@@ -76,6 +82,7 @@ class FileStore:
         target.parent.mkdir(parents=True, exist_ok=True)
         # Write-then-rename: a reader never sees half a manifest.
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+        os.fchmod(fd, FILE_MODE)  # mkstemp makes 0600: a server running as another uid could not read it
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
         os.replace(tmp, target)
@@ -84,6 +91,7 @@ class FileStore:
         target = self._path(key)
         target.parent.mkdir(parents=True, exist_ok=True)
         _copy(local, target, progress)
+        target.chmod(FILE_MODE)
 
     def download(self, key: str, local: Path, progress: ProgressFn | None = None) -> None:
         source = self._path(key)

@@ -28,7 +28,7 @@ from serving.weights.manifest import (
     load_manifest,
     verify_dir,
 )
-from serving.weights.store import ObjectStore, open_store
+from serving.weights.store import DIR_MODE, FILE_MODE, ObjectStore, open_store
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +141,7 @@ def _fetch_verified(store: ObjectStore, remote: Manifest, target: Path, progress
         progress.begin("verifying", remote.total_bytes)
         verify_dir(staging, remote, progress.advance)
         (staging / MANIFEST_NAME).write_text(remote.to_json())
+        make_readable(staging)
         _swap_into_place(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -166,6 +167,14 @@ def _already_verified(target: Path, remote: Manifest, progress: TransferProgress
         logger.warning("cached version at %s is not valid, pulling again: %s", target, exc)
         return False
     return True
+
+
+def make_readable(root: Path) -> None:
+    """Directories 0755 and files 0644 (mkdtemp makes 0700): a server of another uid reads the weights."""
+    root.chmod(DIR_MODE)
+    for path in root.rglob("*"):
+        if not path.is_symlink():
+            path.chmod(DIR_MODE if path.is_dir() else FILE_MODE)
 
 
 def _swap_into_place(staging: Path, target: Path) -> None:

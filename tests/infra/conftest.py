@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from infra.config import PROJECT, STACKS_DIR
+from infra.config import PROJECT, project_stacks_dir
 from infra.ops.preview import PreviewResult, record_in_runtime
 
 AWS_STACKS = ("dev", "staging", "prod")
@@ -37,7 +37,7 @@ def aws_stack() -> Callable[[str], PreviewResult]:
 
 def write_variant(directory: Path, stack: str, **sections: Any) -> Path:
     """A copy of stacks/Pulumi.<stack>.yaml in `directory` with whole sections replaced or merged."""
-    document = yaml.safe_load((STACKS_DIR / f"Pulumi.{stack}.yaml").read_text())
+    document = yaml.safe_load((project_stacks_dir() / f"Pulumi.{stack}.yaml").read_text())
     for section, value in sections.items():
         key = f"{PROJECT}:{section}"
         current = document["config"].get(key)

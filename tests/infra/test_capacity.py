@@ -168,10 +168,11 @@ def test_plan_command_lists_candidates(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_plan_command_reports_a_misfit_as_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from infra.config import STACKS_DIR
+    from infra.config import project_stacks_dir
     from infra.ops.cli.main import main
 
-    text = (STACKS_DIR / "Pulumi.dev.yaml").read_text().replace("instance_type: auto", "instance_type: g5.xlarge")
+    text = (project_stacks_dir() / "Pulumi.dev.yaml").read_text()
+    text = text.replace("instance_type: auto", "instance_type: g5.xlarge")
     (tmp_path / "Pulumi.dev.yaml").write_text(text)
     assert main(["plan", "--stack", "dev", "--stacks-dir", str(tmp_path)]) == 2
     assert "does not fit fleet.instance_type g5.xlarge" in capsys.readouterr().err

@@ -10,12 +10,16 @@ import yaml
 from infra.config import (
     SECRET_MASK,
     ConfigError,
+    ServiceSpec,
+    SpeculativeSpec,
+    StackConfig,
     available_stacks,
     load_stack,
     masked_dump,
     render_server_config,
 )
 from infra.config_reference import write_or_check
+from serving.config import ModelSection, SchedulerSection, ServiceSection, SpeculativeSection
 
 
 @pytest.mark.parametrize("name", available_stacks())
@@ -28,15 +32,15 @@ def test_the_four_environments_exist() -> None:
     assert {"local", "dev", "staging", "prod"} <= set(available_stacks())
 
 
-def _write_stack(tmp_path: Path, edit) -> Path:  # type: ignore[no-untyped-def]
-    document = yaml.safe_load(Path("stacks/Pulumi.dev.yaml").read_text())
+def _write_stack(tmp_path: Path, edit, base: str = "dev") -> Path:  # type: ignore[no-untyped-def]
+    document = yaml.safe_load(Path(f"stacks/Pulumi.{base}.yaml").read_text())
     edit(document["config"])
     (tmp_path / "Pulumi.broken.yaml").write_text(yaml.safe_dump(document))
     return tmp_path
 
 
-def _error_for(tmp_path: Path, edit) -> str:  # type: ignore[no-untyped-def]
-    stacks_dir = _write_stack(tmp_path, edit)
+def _error_for(tmp_path: Path, edit, base: str = "dev") -> str:  # type: ignore[no-untyped-def]
+    stacks_dir = _write_stack(tmp_path, edit, base)
     with pytest.raises(ConfigError) as info:
         load_stack("broken", stacks_dir)
     return str(info.value)
@@ -92,6 +96,90 @@ def test_min_size_above_max_size_is_refused(tmp_path: Path) -> None:
     assert "fleet.min_size (5) exceeds fleet.max_size (2)" in message
 
 
+# Invariants `pulumi up` used to find first, in the components: `config validate` now refuses them.
+
+
+def test_zero_kubernetes_replicas_is_refused(tmp_path: Path) -> None:
+    message = _error_for(tmp_path, lambda c: c["specdeploy:kubernetes"].update({"min_replicas": 0}), "k8s-dev")
+    assert "specdeploy:kubernetes.min_replicas" in message and "greater than or equal to 1" in message
+
+
+def test_kubernetes_min_replicas_above_max_is_refused(tmp_path: Path) -> None:
+    message = _error_for(tmp_path, lambda c: c["specdeploy:kubernetes"].update({"min_replicas": 3}), "k8s-dev")
+    assert "kubernetes.min_replicas (3) exceeds kubernetes.max_replicas (2)" in message
+
+
+def test_scale_schedule_above_max_size_is_refused(tmp_path: Path) -> None:
+    peak = {"name": "peak", "cron": "0 8 * * *", "min_size": 5}
+    message = _error_for(tmp_path, lambda c: c["specdeploy:fleet"].update({"scale_schedules": [peak]}))
+    assert "fleet.scale_schedules[0].min_size (5) exceeds fleet.max_size (1)" in message
+
+
+@pytest.mark.parametrize("base", ["dev", "k8s-dev"])
+def test_draft_speculation_without_a_draft_version_is_refused(tmp_path: Path, base: str) -> None:
+    message = _error_for(tmp_path, lambda c: c["specdeploy:release"]["blue"].pop("draft_version"), base)
+    assert "release.blue.draft_version is required" in message
+
+
+def test_ngram_speculation_needs_no_draft_version(tmp_path: Path) -> None:
+    def ngram(config: dict) -> None:  # type: ignore[type-arg]
+        config["specdeploy:speculative"]["method"] = "ngram"
+        config["specdeploy:release"]["blue"].pop("draft_version")
+
+    assert load_stack("broken", _write_stack(tmp_path, ngram)).config.speculative.method == "ngram"
+
+
+def test_internal_aws_endpoint_open_to_the_world_is_refused(tmp_path: Path) -> None:
+    message = _error_for(tmp_path, lambda c: c["specdeploy:access"].update({"allowed_cidrs": ["0.0.0.0/0"]}))
+    assert "access.allowed_cidrs opens an internal load balancer to the world" in message
+
+
+def test_empty_allow_list_is_refused(tmp_path: Path) -> None:
+    message = _error_for(tmp_path, lambda c: c["specdeploy:access"].update({"allowed_cidrs": []}))
+    assert "specdeploy:access.allowed_cidrs" in message and "at least 1 item" in message
+
+
+def test_gateway_routing_with_a_source_allow_list_is_refused(tmp_path: Path) -> None:
+    gateway = {"routing": "gateway-api", "gateway": "gateways/internal"}
+    message = _error_for(tmp_path, lambda c: c["specdeploy:kubernetes"].update(gateway), "k8s-dev")
+    assert "access.allowed_cidrs cannot be enforced by an HTTPRoute" in message
+
+
+def test_existing_vpc_needs_private_subnets(tmp_path: Path) -> None:
+    message = _error_for(tmp_path, lambda c: c["specdeploy:access"].update({"vpc_id": "vpc-0abc"}))
+    assert "access.private_subnet_ids is required when access.vpc_id is given" in message
+
+
+def test_invalid_image_repository_name_is_named(tmp_path: Path) -> None:
+    message = _error_for(tmp_path, lambda c: c["specdeploy:fleet"].update({"image_repository": "Specdeploy Server"}))
+    assert "specdeploy:fleet.image_repository" in message
+
+
+def test_step_budget_below_concurrency_is_refused(tmp_path: Path) -> None:
+    budget = {"max_batched_tokens": 16, "max_concurrency": 32}
+    message = _error_for(tmp_path, lambda c: c["specdeploy:scheduler"].update(budget))
+    assert "scheduler.max_batched_tokens (16) is below scheduler.max_concurrency (32)" in message
+
+
+def test_kv_block_size_must_be_a_power_of_two(tmp_path: Path) -> None:
+    message = _error_for(tmp_path, lambda c: c["specdeploy:scheduler"].update({"kv_block_size": 24}))
+    assert "specdeploy:scheduler.kv_block_size" in message and "power of two" in message
+
+
+def test_stack_service_limits_are_the_server_configs(tmp_path: Path) -> None:
+    message = _error_for(tmp_path, lambda c: c["specdeploy:service"].update({"max_memory_utilization": 0.99}))
+    assert "specdeploy:service.max_memory_utilization" in message and "less than or equal to 0.95" in message
+
+
+def test_stack_speculation_accepts_the_servers_ngram_keys(tmp_path: Path) -> None:
+    def ngram(config: dict) -> None:  # type: ignore[type-arg]
+        config["specdeploy:speculative"].update({"method": "ngram", "ngram_min": 2, "ngram_max": 3})
+
+    config = load_stack("broken", _write_stack(tmp_path, ngram)).config
+    server = render_server_config(config)
+    assert (server.speculative.ngram_min, server.speculative.ngram_max, server.speculative.draft_model) == (2, 3, None)
+
+
 def test_missing_stack_lists_known_stacks() -> None:
     with pytest.raises(ConfigError, match="known stacks: .*prod"):
         load_stack("nope")
@@ -130,3 +218,12 @@ def test_pulumi_yaml_declares_every_key_with_type_and_description() -> None:
     for key, declaration in project["config"].items():
         assert declaration["type"] in ("string", "integer", "boolean", "array", "object"), key
         assert declaration["description"], key
+
+
+def test_stack_sections_share_the_server_defaults() -> None:
+    service, server_service, model = ServiceSpec(), ServiceSection(), ModelSection(path="/m")
+    assert (service.port, service.drain_grace_s, service.metrics_require_auth) == (
+        server_service.port, server_service.drain_grace_s, server_service.metrics_require_auth)
+    assert service.max_memory_utilization == model.max_memory_utilization
+    assert SpeculativeSection(**SpeculativeSpec().model_dump()) == SpeculativeSection()
+    assert StackConfig.model_fields["scheduler"].annotation is SchedulerSection

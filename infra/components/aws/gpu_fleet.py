@@ -45,7 +45,6 @@ class GpuFleetArgs:
     secret_arn: pulumi.Input[str]
     spot_alternatives: list[str] = field(default_factory=list)  # other types that fit, for spot pools
     log_retention_days: int = 30
-    requires_draft: bool = False  # the server config names a draft model (speculative.method draft)
 
     @property
     def slot(self) -> str:
@@ -64,8 +63,6 @@ class GpuFleetArgs:
         if not _DIGEST.match(self.boot.image):
             raise ValueError(f"{where}.image must pin a digest (<repository>@sha256:<64 hex>), "
                              f"got {self.boot.image!r}")
-        if self.requires_draft and not self.boot.draft_uri:
-            raise ValueError(f"{where}.draft_version is required: speculative.method is 'draft'")
         for key, uri in (("model_version", self.boot.model_uri), ("draft_version", self.boot.draft_uri)):
             if uri is None:
                 continue
@@ -77,10 +74,6 @@ class GpuFleetArgs:
         if self.fleet.root_volume_gb < need:
             raise ValueError(f"fleet.root_volume_gb ({self.fleet.root_volume_gb}) is below {need} GiB: "
                              f"{self.weight_cache_gb} GiB weight cache + {ROOT_VOLUME_BASE_GB} GiB image and OS")
-        for index, schedule in enumerate(self.fleet.scale_schedules):
-            if schedule.min_size > self.fleet.max_size:
-                raise ValueError(f"fleet.scale_schedules[{index}].min_size ({schedule.min_size}) exceeds "
-                                 f"fleet.max_size ({self.fleet.max_size})")
 
     @property
     def model_prefixes(self) -> list[str]:

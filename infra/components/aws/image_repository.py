@@ -8,7 +8,6 @@ release slot, so what was validated is exactly what serves.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 
 import pulumi
@@ -16,17 +15,11 @@ import pulumi_aws as aws
 
 from infra.components.aws.common import child, tags
 
-_REPOSITORY_NAME = re.compile(r"^[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*$")
-
 
 @dataclass(frozen=True)
 class ImageRepositoryArgs:
     repository_name: str
     untagged_expire_days: int = 14
-
-    def __post_init__(self) -> None:
-        if not _REPOSITORY_NAME.match(self.repository_name) or len(self.repository_name) > 256:
-            raise ValueError(f"fleet.image_repository: {self.repository_name!r} is not a valid ECR repository name")
 
 
 class ImageRepository(pulumi.ComponentResource):

@@ -19,8 +19,8 @@ import pulumi
 import pulumi_aws as aws
 
 from infra.components.aws.common import SecureBucket, child, secure_bucket, tags
+from infra.config import SLOTS
 
-SLOTS = ("blue", "green")
 TLS_POLICY = "ELBSecurityPolicy-TLS13-1-2-2021-06"
 READY_PATH = "/ready"
 
@@ -45,13 +45,6 @@ class LoadBalancerArgs:
             raise ValueError(f"release.active: {self.active_slot!r} is not one of {', '.join(SLOTS)}")
         if not 0 <= self.canary_weight <= 100:
             raise ValueError(f"release.canary_weight: {self.canary_weight} is not a percentage")
-        if self.public and not self.certificate_arn:
-            raise ValueError("access.certificate_arn is required when access.public is true (TLS when public)")
-        if not self.allowed_cidrs:
-            raise ValueError("access.allowed_cidrs is empty: nobody could reach the endpoint")
-        if not self.public and any(c in ("0.0.0.0/0", "::/0") for c in self.allowed_cidrs):
-            raise ValueError("access.allowed_cidrs opens an internal load balancer to the world; "
-                             "set access.public or list the client networks")
 
     @property
     def tls(self) -> bool:
@@ -111,7 +104,7 @@ class LoadBalancer(pulumi.ComponentResource):
             # The ALB checks at creation that it may write its logs: the bucket policy must exist first.
             opts=child(self, depends_on=[logs.policy]),
         )
-        groups = {slot: self._target_group(name, slot, args) for slot in SLOTS}
+        groups: dict[str, aws.lb.TargetGroup] = {slot: self._target_group(name, slot, args) for slot in SLOTS}
         forward: aws.lb.ListenerDefaultActionArgsDict = {
             "type": "forward",
             "forward": {"target_groups": [{"arn": groups[slot].arn, "weight": weight}

@@ -33,10 +33,6 @@ class NetworkArgs:
     az_count: int = 2  # an ALB needs subnets in two zones
 
     def __post_init__(self) -> None:
-        if self.vpc_id and not self.private_subnet_ids:
-            raise ValueError("access.private_subnet_ids is required when access.vpc_id is given")
-        if self.vpc_id and self.public and not self.public_subnet_ids:
-            raise ValueError("access.public_subnet_ids is required for a public service in an existing VPC")
         network = ipaddress.ip_network(self.cidr_block)
         if network.prefixlen > 20:
             raise ValueError(f"network cidr_block {self.cidr_block} is too small; use a /20 or larger")

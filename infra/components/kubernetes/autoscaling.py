@@ -34,14 +34,7 @@ class QueueAutoscaler(pulumi.ComponentResource):
     def __init__(self, name: str, args: QueueAutoscalerArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("specdeploy:kubernetes:QueueAutoscaler", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
-        spec = args.spec
-        # minReplicas 0 needs the HPAScaleToZero feature gate, off on every managed cluster.
-        if spec.min_replicas < 1:
-            raise ValueError("kubernetes.min_replicas must be at least 1 for the HorizontalPodAutoscaler")
-        if spec.min_replicas > spec.max_replicas:
-            raise ValueError(
-                f"kubernetes.min_replicas ({spec.min_replicas}) exceeds kubernetes.max_replicas ({spec.max_replicas})"
-            )
+        spec = args.spec  # min_replicas in [1, max_replicas]: checked by the stack schema
 
         self.autoscalers = {}
         for slot, deployment in sorted(args.deployments.items()):

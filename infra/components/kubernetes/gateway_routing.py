@@ -17,7 +17,7 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from infra.components.kubernetes.common import app_labels, kubernetes_spec
-from infra.components.kubernetes.routing import OPEN_CIDRS, traffic_split
+from infra.components.kubernetes.routing import traffic_split
 from infra.config import StackConfig
 
 GATEWAY_API = "gateway.networking.k8s.io/v1"
@@ -52,12 +52,6 @@ class GatewayRouting(pulumi.ComponentResource):
         spec = kubernetes_spec(config)
         if spec.gateway is None:
             raise ValueError("kubernetes.gateway (namespace/name) is required when kubernetes.routing is gateway-api")
-        # An HTTPRoute has no portable source filter: refuse to pretend the allow-list is enforced.
-        if not OPEN_CIDRS & set(config.access.allowed_cidrs):
-            raise ValueError(
-                "access.allowed_cidrs cannot be enforced by an HTTPRoute (kubernetes.routing gateway-api): "
-                "restrict sources on the Gateway and set access.allowed_cidrs to [0.0.0.0/0]"
-            )
         split = traffic_split(config, args.slot_services)
         self.host = config.access.domain
         self.canary_weight = split.canary_weight

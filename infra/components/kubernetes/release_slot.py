@@ -50,11 +50,6 @@ class ReleaseSlotArgs:
     service_account_name: pulumi.Input[str]
 
 
-def _uses_draft(config: StackConfig) -> bool:
-    spec = config.speculative
-    return spec.enabled and spec.method == "draft" and config.draft is not None
-
-
 def _pull(name: str, image: str, uri: str, directory: str, spec: KubernetesSpec,
           security_context: k8s.core.v1.SecurityContextArgsDict) -> k8s.core.v1.ContainerArgsDict:
     container: k8s.core.v1.ContainerArgsDict = {
@@ -84,6 +79,188 @@ def _cache_volume(slot: str, spec: KubernetesSpec) -> k8s.core.v1.VolumeArgsDict
     return {"name": "weights", "empty_dir": {"size_limit": spec.weight_cache_size}}
 
 
+@dataclass(frozen=True)
+class _Meta:
+    """Naming shared by a slot's objects."""
+
+    component: str  # Pulumi name of the ReleaseSlot; children are "<component>-<suffix>"
+    object_name: str  # Kubernetes name of the slot's Deployment and Service
+    namespace: pulumi.Input[str]
+    labels: dict[str, str]
+
+    def metadata(self, name: str) -> k8s.meta.v1.ObjectMetaArgsDict:
+        return {"name": name, "namespace": self.namespace, "labels": self.labels}
+
+
+def _config_map(meta: _Meta, server_yaml: str, opts: pulumi.ResourceOptions) -> k8s.core.v1.ConfigMap:
+    config_sha = hashlib.sha256(server_yaml.encode()).hexdigest()
+    # Immutable and named by content: a change is a new ConfigMap the Deployment rolls onto,
+    # never an edit under running pods.
+    return k8s.core.v1.ConfigMap(
+        f"{meta.component}-config",
+        metadata=meta.metadata(f"{meta.object_name}-config-{config_sha[:10]}"),
+        data={SERVER_CONFIG_FILE: server_yaml},
+        immutable=True,
+        opts=opts,
+    )
+
+
+def _cache_claim(meta: _Meta, spec: KubernetesSpec, opts: pulumi.ResourceOptions) -> k8s.core.v1.PersistentVolumeClaim:
+    claim: k8s.core.v1.PersistentVolumeClaimSpecArgsDict = {
+        # Shared by every replica of the slot: the first pull fills it, the others find the
+        # verified version and return at once. Needs a ReadWriteMany class (EFS, Filestore, NFS).
+        "access_modes": ["ReadWriteMany"],
+        "resources": {"requests": {"storage": spec.weight_cache_size}},
+    }
+    if spec.storage_class:
+        claim["storage_class_name"] = spec.storage_class
+    return k8s.core.v1.PersistentVolumeClaim(
+        f"{meta.component}-weights",
+        metadata=meta.metadata(f"{meta.object_name}-weights"),
+        spec=claim,
+        opts=opts,
+    )
+
+
+def _container_security_context() -> k8s.core.v1.SecurityContextArgsDict:
+    return {
+        "allow_privilege_escalation": False,
+        "read_only_root_filesystem": True,
+        "run_as_non_root": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _server_container(image: str, port: int, spec: KubernetesSpec, startup_budget: int,
+                      security_context: k8s.core.v1.SecurityContextArgsDict) -> k8s.core.v1.ContainerArgsDict:
+    resources: dict[str, str] = {"cpu": spec.cpu, "memory": spec.memory}
+    if spec.gpus_per_pod:
+        resources["nvidia.com/gpu"] = str(spec.gpus_per_pod)
+    return {
+        "name": "server",
+        "image": image,
+        "command": ["specdeploy", "serve", "--config", f"{CONFIG_DIR}/{SERVER_CONFIG_FILE}"],
+        "ports": [{"name": HTTP_PORT_NAME, "container_port": port, "protocol": "TCP"}],
+        "env": [{"name": "HOME", "value": "/tmp"}],
+        "resources": {"requests": resources, "limits": resources},
+        "security_context": security_context,
+        # The server answers /health while it loads; /ready turns 200 only after the weights are
+        # loaded and the warm-up generation ran. Probing /ready here is what bounds load + warm-up:
+        # a pod that is not ready within the budget is restarted. Liveness starts after it.
+        "startup_probe": {
+            "http_get": {"port": HTTP_PORT_NAME, "path": "/ready"},
+            "period_seconds": STARTUP_PERIOD_S,
+            "timeout_seconds": 5,
+            "failure_threshold": math.ceil(startup_budget / STARTUP_PERIOD_S),
+        },
+        "readiness_probe": {
+            "http_get": {"port": HTTP_PORT_NAME, "path": "/ready"},
+            "period_seconds": 5,
+            "timeout_seconds": 3,
+            "failure_threshold": 2,
+        },
+        "liveness_probe": {
+            "http_get": {"port": HTTP_PORT_NAME, "path": "/health"},
+            "period_seconds": 10,
+            "timeout_seconds": 5,
+            "failure_threshold": 6,
+        },
+        # Keep serving while endpoints are withdrawn, then SIGTERM starts the server's own drain.
+        "lifecycle": {"pre_stop": {"exec_": {"command": ["sleep", str(PRE_STOP_DELAY_S)]}}},
+        "volume_mounts": [
+            {"name": "config", "mount_path": CONFIG_DIR, "read_only": True},
+            {"name": "api-keys", "mount_path": SECRETS_DIR, "read_only": True},
+            {"name": "weights", "mount_path": MODEL_CACHE_DIR, "read_only": True},
+            {"name": "tmp", "mount_path": "/tmp"},
+            {"name": "dshm", "mount_path": "/dev/shm"},
+        ],
+    }
+
+
+def _pod_spec(slot: str, spec: KubernetesSpec, service_account_name: pulumi.Input[str],
+              config_map_name: pulumi.Input[str], init_containers: list[k8s.core.v1.ContainerArgsDict],
+              server: k8s.core.v1.ContainerArgsDict, termination_grace_s: int) -> k8s.core.v1.PodSpecArgsDict:
+    volumes: list[k8s.core.v1.VolumeArgsDict] = [
+        {"name": "config", "config_map": {"name": config_map_name}},
+        # Referenced, never rendered: the Secret exists in the namespace before `pulumi up`.
+        {"name": "api-keys", "secret": {"secret_name": spec.api_key_secret,
+                                        "items": [{"key": API_KEYS_SECRET_KEY, "path": API_KEYS_SECRET_KEY}]}},
+        _cache_volume(slot, spec),
+        {"name": "tmp", "empty_dir": {"size_limit": "1Gi"}},
+        {"name": "dshm", "empty_dir": {"medium": "Memory", "size_limit": "2Gi"}},
+    ]
+    pod_spec: k8s.core.v1.PodSpecArgsDict = {
+        "service_account_name": service_account_name,
+        "automount_service_account_token": False,
+        "security_context": {
+            "run_as_non_root": True,
+            "run_as_user": RUN_AS_USER,
+            "run_as_group": RUN_AS_USER,
+            "fs_group": RUN_AS_USER,
+            "fs_group_change_policy": "OnRootMismatch",
+            "seccomp_profile": {"type": "RuntimeDefault"},
+        },
+        "termination_grace_period_seconds": termination_grace_s,
+        "enable_service_links": False,
+        # Soft spread: one GPU node or zone going down should not take every replica of a slot.
+        "topology_spread_constraints": [
+            {"max_skew": 1, "topology_key": key, "when_unsatisfiable": "ScheduleAnyway",
+             "label_selector": {"match_labels": server_selector(slot)}}
+            for key in ("kubernetes.io/hostname", "topology.kubernetes.io/zone")
+        ],
+        "init_containers": init_containers,
+        "containers": [server],
+        "volumes": volumes,
+    }
+    if spec.node_selector:
+        pod_spec["node_selector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = [
+            {"key": t.key, "operator": t.operator, "value": t.value, "effect": t.effect} for t in spec.tolerations
+        ]
+    return pod_spec
+
+
+def _deployment(meta: _Meta, slot: str, replicas: int, pod_spec: k8s.core.v1.PodSpecArgsDict, rollout_budget: int,
+                parent: pulumi.Resource) -> k8s.apps.v1.Deployment:
+    return k8s.apps.v1.Deployment(
+        f"{meta.component}-deployment",
+        metadata=meta.metadata(meta.object_name),
+        spec={
+            "replicas": replicas,
+            "selector": {"match_labels": server_selector(slot)},
+            # A new pod must be ready before an old one goes: capacity never dips during a rollout.
+            "strategy": {"type": "RollingUpdate", "rolling_update": {"max_surge": 1, "max_unavailable": 0}},
+            "progress_deadline_seconds": rollout_budget,
+            "template": {
+                "metadata": {"labels": meta.labels},
+                "spec": pod_spec,
+            },
+        },
+        opts=pulumi.ResourceOptions(
+            parent=parent,
+            # The autoscaler owns the replica count after creation.
+            ignore_changes=["spec.replicas"],
+            # `pulumi up` waits for the rollout (pull + load + warm-up), not pulumi-kubernetes' 10 minutes.
+            custom_timeouts=pulumi.CustomTimeouts(create=f"{rollout_budget}s", update=f"{rollout_budget}s"),
+        ),
+    )
+
+
+def _service(meta: _Meta, slot: str, port: int, opts: pulumi.ResourceOptions) -> k8s.core.v1.Service:
+    return k8s.core.v1.Service(
+        f"{meta.component}-service",
+        metadata=meta.metadata(meta.object_name),
+        spec={
+            "type": "ClusterIP",
+            "selector": server_selector(slot),
+            "ports": [{"name": HTTP_PORT_NAME, "port": port, "target_port": HTTP_PORT_NAME,
+                       "protocol": "TCP"}],
+        },
+        opts=opts,
+    )
+
+
 class ReleaseSlot(pulumi.ComponentResource):
     """A slot's ConfigMap (server config), optional cache PVC, Deployment and ClusterIP Service."""
 
@@ -99,181 +276,38 @@ class ReleaseSlot(pulumi.ComponentResource):
         child = pulumi.ResourceOptions(parent=self)
         config, slot = args.config, args.slot
         spec = kubernetes_spec(config)
-        use_draft = _uses_draft(config)
-        if use_draft and args.spec.draft_version is None:
-            raise ValueError(f"release.{slot}.draft_version is required: speculative.method is 'draft'")
+        use_draft = config.uses_draft_model
 
         object_name = slot_object_name(slot)
         labels = slot_labels(slot)
         target_dir = cache_dir(args.spec.model_version)
         draft_dir = cache_dir(args.spec.draft_version) if use_draft and args.spec.draft_version else None
-
         server_yaml = render_server_config(
             config,
             model_path=target_dir,
             draft_path=draft_dir,
             api_keys_file=f"{SECRETS_DIR}/{API_KEYS_SECRET_KEY}",
         ).to_yaml()
-        config_sha = hashlib.sha256(server_yaml.encode()).hexdigest()
-        # Immutable and named by content: a change is a new ConfigMap the Deployment rolls onto,
-        # never an edit under running pods.
-        self.config_map = k8s.core.v1.ConfigMap(
-            f"{name}-config",
-            metadata={"name": f"{object_name}-config-{config_sha[:10]}", "namespace": args.namespace,
-                      "labels": labels},
-            data={SERVER_CONFIG_FILE: server_yaml},
-            immutable=True,
-            opts=child,
-        )
+        meta = _Meta(name, object_name, args.namespace, labels)
 
-        self.cache_claim = None
-        if spec.weight_cache == "pvc":
-            claim: k8s.core.v1.PersistentVolumeClaimSpecArgsDict = {
-                # Shared by every replica of the slot: the first pull fills it, the others find the
-                # verified version and return at once. Needs a ReadWriteMany class (EFS, Filestore, NFS).
-                "access_modes": ["ReadWriteMany"],
-                "resources": {"requests": {"storage": spec.weight_cache_size}},
-            }
-            if spec.storage_class:
-                claim["storage_class_name"] = spec.storage_class
-            self.cache_claim = k8s.core.v1.PersistentVolumeClaim(
-                f"{name}-weights",
-                metadata={"name": f"{object_name}-weights", "namespace": args.namespace, "labels": labels},
-                spec=claim,
-                opts=child,
-            )
+        self.config_map = _config_map(meta, server_yaml, child)
+        self.cache_claim = _cache_claim(meta, spec, child) if spec.weight_cache == "pvc" else None
 
-        security_context: k8s.core.v1.SecurityContextArgsDict = {
-            "allow_privilege_escalation": False,
-            "read_only_root_filesystem": True,
-            "run_as_non_root": True,
-            "capabilities": {"drop": ["ALL"]},
-        }
+        security_context = _container_security_context()
         init_containers = [_pull("pull-target", args.spec.image, args.spec.model_version, target_dir, spec,
                                  security_context)]
         if draft_dir and args.spec.draft_version:
             init_containers.append(
                 _pull("pull-draft", args.spec.image, args.spec.draft_version, draft_dir, spec, security_context)
             )
-
-        resources: dict[str, str] = {"cpu": spec.cpu, "memory": spec.memory}
-        if spec.gpus_per_pod:
-            resources["nvidia.com/gpu"] = str(spec.gpus_per_pod)
         startup_budget = startup_budget_s(config)
-        rollout_budget = startup_budget + PULL_ALLOWANCE_S
-        server: k8s.core.v1.ContainerArgsDict = {
-            "name": "server",
-            "image": args.spec.image,
-            "command": ["specdeploy", "serve", "--config", f"{CONFIG_DIR}/{SERVER_CONFIG_FILE}"],
-            "ports": [{"name": HTTP_PORT_NAME, "container_port": config.service.port, "protocol": "TCP"}],
-            "env": [{"name": "HOME", "value": "/tmp"}],
-            "resources": {"requests": resources, "limits": resources},
-            "security_context": security_context,
-            # The server answers /health while it loads; /ready turns 200 only after the weights are
-            # loaded and the warm-up generation ran. Probing /ready here is what bounds load + warm-up:
-            # a pod that is not ready within the budget is restarted. Liveness starts after it.
-            "startup_probe": {
-                "http_get": {"port": HTTP_PORT_NAME, "path": "/ready"},
-                "period_seconds": STARTUP_PERIOD_S,
-                "timeout_seconds": 5,
-                "failure_threshold": math.ceil(startup_budget / STARTUP_PERIOD_S),
-            },
-            "readiness_probe": {
-                "http_get": {"port": HTTP_PORT_NAME, "path": "/ready"},
-                "period_seconds": 5,
-                "timeout_seconds": 3,
-                "failure_threshold": 2,
-            },
-            "liveness_probe": {
-                "http_get": {"port": HTTP_PORT_NAME, "path": "/health"},
-                "period_seconds": 10,
-                "timeout_seconds": 5,
-                "failure_threshold": 6,
-            },
-            # Keep serving while endpoints are withdrawn, then SIGTERM starts the server's own drain.
-            "lifecycle": {"pre_stop": {"exec_": {"command": ["sleep", str(PRE_STOP_DELAY_S)]}}},
-            "volume_mounts": [
-                {"name": "config", "mount_path": CONFIG_DIR, "read_only": True},
-                {"name": "api-keys", "mount_path": SECRETS_DIR, "read_only": True},
-                {"name": "weights", "mount_path": MODEL_CACHE_DIR, "read_only": True},
-                {"name": "tmp", "mount_path": "/tmp"},
-                {"name": "dshm", "mount_path": "/dev/shm"},
-            ],
-        }
-        volumes: list[k8s.core.v1.VolumeArgsDict] = [
-            {"name": "config", "config_map": {"name": metadata_name(self.config_map)}},
-            # Referenced, never rendered: the Secret exists in the namespace before `pulumi up`.
-            {"name": "api-keys", "secret": {"secret_name": spec.api_key_secret,
-                                            "items": [{"key": API_KEYS_SECRET_KEY, "path": API_KEYS_SECRET_KEY}]}},
-            _cache_volume(slot, spec),
-            {"name": "tmp", "empty_dir": {"size_limit": "1Gi"}},
-            {"name": "dshm", "empty_dir": {"medium": "Memory", "size_limit": "2Gi"}},
-        ]
-        pod_spec: k8s.core.v1.PodSpecArgsDict = {
-            "service_account_name": args.service_account_name,
-            "automount_service_account_token": False,
-            "security_context": {
-                "run_as_non_root": True,
-                "run_as_user": RUN_AS_USER,
-                "run_as_group": RUN_AS_USER,
-                "fs_group": RUN_AS_USER,
-                "fs_group_change_policy": "OnRootMismatch",
-                "seccomp_profile": {"type": "RuntimeDefault"},
-            },
-            "termination_grace_period_seconds": termination_grace_s(config),
-            "enable_service_links": False,
-            # Soft spread: one GPU node or zone going down should not take every replica of a slot.
-            "topology_spread_constraints": [
-                {"max_skew": 1, "topology_key": key, "when_unsatisfiable": "ScheduleAnyway",
-                 "label_selector": {"match_labels": server_selector(slot)}}
-                for key in ("kubernetes.io/hostname", "topology.kubernetes.io/zone")
-            ],
-            "init_containers": init_containers,
-            "containers": [server],
-            "volumes": volumes,
-        }
-        if spec.node_selector:
-            pod_spec["node_selector"] = dict(spec.node_selector)
-        if spec.tolerations:
-            pod_spec["tolerations"] = [
-                {"key": t.key, "operator": t.operator, "value": t.value, "effect": t.effect} for t in spec.tolerations
-            ]
-
-        self.deployment = k8s.apps.v1.Deployment(
-            f"{name}-deployment",
-            metadata={"name": object_name, "namespace": args.namespace, "labels": labels},
-            spec={
-                "replicas": spec.min_replicas,
-                "selector": {"match_labels": server_selector(slot)},
-                # A new pod must be ready before an old one goes: capacity never dips during a rollout.
-                "strategy": {"type": "RollingUpdate", "rolling_update": {"max_surge": 1, "max_unavailable": 0}},
-                "progress_deadline_seconds": rollout_budget,
-                "template": {
-                    "metadata": {"labels": labels},
-                    "spec": pod_spec,
-                },
-            },
-            opts=pulumi.ResourceOptions(
-                parent=self,
-                # The autoscaler owns the replica count after creation.
-                ignore_changes=["spec.replicas"],
-                # `pulumi up` waits for the rollout (pull + load + warm-up), not pulumi-kubernetes' 10 minutes.
-                custom_timeouts=pulumi.CustomTimeouts(create=f"{rollout_budget}s", update=f"{rollout_budget}s"),
-            ),
-        )
+        server = _server_container(args.spec.image, config.service.port, spec, startup_budget, security_context)
+        pod_spec = _pod_spec(slot, spec, args.service_account_name, metadata_name(self.config_map),
+                             init_containers, server, termination_grace_s(config))
+        self.deployment = _deployment(meta, slot, spec.min_replicas, pod_spec, startup_budget + PULL_ALLOWANCE_S,
+                                      parent=self)
         self.deployment_name = metadata_name(self.deployment)
-
-        self.service = k8s.core.v1.Service(
-            f"{name}-service",
-            metadata={"name": object_name, "namespace": args.namespace, "labels": labels},
-            spec={
-                "type": "ClusterIP",
-                "selector": server_selector(slot),
-                "ports": [{"name": HTTP_PORT_NAME, "port": config.service.port, "target_port": HTTP_PORT_NAME,
-                           "protocol": "TCP"}],
-            },
-            opts=child,
-        )
+        self.service = _service(meta, slot, config.service.port, child)
         self.service_name = metadata_name(self.service)
 
         self.register_outputs({"deployment_name": self.deployment_name, "service_name": self.service_name})

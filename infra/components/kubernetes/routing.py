@@ -16,11 +16,10 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from infra.components.kubernetes.common import HTTP_PORT_NAME, SLOT_LABEL, app_labels, kubernetes_spec
-from infra.config import StackConfig
+from infra.config import OPEN_CIDRS, StackConfig
 
 NGINX = "nginx.ingress.kubernetes.io"
 CANARY_WEIGHT_ANNOTATION = f"{NGINX}/canary-weight"
-OPEN_CIDRS = frozenset({"0.0.0.0/0", "::/0"})
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from serving import __version__
 
@@ -41,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"specdeploy {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--project", type=Path, metavar="DIR",
+                        help="the Pulumi project (directory of Pulumi.yaml); default: found upward from the "
+                             "working directory, as `pulumi` finds it")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         module = importlib.import_module(f"infra.ops.cli.{name}")
@@ -67,9 +71,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not hasattr(args, "func"):
         parser.print_help()
         return 2
+    from infra.config import ConfigError, use_project
+
     try:
+        use_project(args.project)
         return int(args.func(args) or 0)
-    except CommandError as exc:
+    except (CommandError, ConfigError) as exc:
         sys.stderr.write(f"specdeploy: error: {exc}\n")
         return 2
     except KeyboardInterrupt:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from infra.config import SLOTS
 from infra.ops.cli.main import CommandError
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ def register(subparsers: Any) -> None:
                     "roll back automatically on any breach; at the end update the stack file.",
     )
     rollout.add_argument("--stack", required=True, help="stack name, e.g. prod")
-    rollout.add_argument("--to", required=True, choices=("blue", "green"), help="the slot to roll out")
+    rollout.add_argument("--to", required=True, choices=SLOTS, help="the slot to roll out")
     rollout.add_argument("--steps", default="10,50,100", help="percent on the new slot per step (default 10,50,100)")
     rollout.add_argument("--observe", default="10m", help="observe window per step, e.g. 30s, 10m (default 10m)")
     rollout.add_argument("--poll", default="10s", help="how often gates are checked within a window (default 10s)")
@@ -61,7 +62,7 @@ def register(subparsers: Any) -> None:
                     "the stack file to match and print (or, with a Pulumi CLI, run) the reconciling `pulumi up`.",
     )
     rollback.add_argument("--stack", required=True, help="stack name, e.g. prod")
-    rollback.add_argument("--to", choices=("blue", "green"), help="the slot to return to (default: the previous one)")
+    rollback.add_argument("--to", choices=SLOTS, help="the slot to return to (default: the previous one)")
     rollback.add_argument("--force", action="store_true",
                           help="roll back even when the previous slot reports nothing ready")
     rollback.add_argument("--no-pulumi-up", action="store_true",
@@ -182,10 +183,10 @@ def reconcile(stack: str, run: bool) -> None:
         return
     from pulumi import automation
 
-    from infra.config import REPO_ROOT
+    from infra.config import project_dir
 
     _say(f"running {command} (Automation API) ...")
-    selected = automation.select_stack(stack_name=stack, work_dir=str(REPO_ROOT))
+    selected = automation.select_stack(stack_name=stack, work_dir=str(project_dir()))
     result = selected.up(on_output=lambda line: sys.stdout.write(line))
     _say(f"pulumi up: {result.summary.result}")
 

@@ -19,7 +19,7 @@ def register(subparsers: Any) -> None:
         "validate",
         help="run the launch checks against a deployment and write the report (exit code = gate)",
         description="Functional, host, performance, speculative A/B, stability and observability checks "
-        "(tests/launch) against one deployment. Exit code 0 when every check that ran passed, 1 when one "
+        "(infra/validation/launch) against one deployment. Exit code 0 when every check that ran passed, 1 when one "
         "failed, 2 when the suite could not run. API key from $SPECDEPLOY_API_KEY.",
     )
     validate.add_argument("--stack", required=True, help="stack whose SLOs, limits and paths apply")

@@ -9,12 +9,9 @@ rollout or rollback leads to.
 from __future__ import annotations
 
 import re
-from typing import Literal
 
-from infra.config import ReleaseSpec
+from infra.config import SLOTS, ReleaseSpec, Slot
 
-Slot = Literal["blue", "green"]
-SLOTS: tuple[Slot, Slot] = ("blue", "green")
 Weights = dict[str, int]  # slot -> percent of traffic; the two values sum to 100
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from infra.config import REPO_ROOT
+from infra.config import project_dir
 from infra.ops.release.model import SLOTS, ReleaseError
 
 # Stack outputs read here (exported by infra/__main__.py).
@@ -54,7 +54,7 @@ def stack_outputs(stack: str) -> dict[str, Any]:
     pulumi = shutil.which("pulumi")
     if pulumi is None:
         return {}
-    result = subprocess.run([pulumi, "stack", "output", "--json", "--stack", stack], cwd=REPO_ROOT,
+    result = subprocess.run([pulumi, "stack", "output", "--json", "--stack", stack], cwd=project_dir(),
                             capture_output=True, text=True, check=False, timeout=120)
     if result.returncode != 0:
         raise ReleaseError(f"pulumi stack output --stack {stack} failed: {result.stderr.strip()[:300]}")

@@ -9,9 +9,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from serving.api.deps import EngineDep, StateDep
-from serving.api.generation import GenerationRun, encode_chat
-from serving.api.routes.common import Collected, chat_logprobs, check_finish, check_model, respond, start_run
+from serving.api.deps import EngineDep, StateDep, check_model
+from serving.api.errors import ApiError
+from serving.api.generation import Collected, GenerationRun, check_finish, respond, start_run
+from serving.api.routes.logprobs import chat_logprobs
 from serving.api.schemas import ChatCompletionRequest
 
 router = APIRouter(tags=["chat"])
@@ -21,8 +22,7 @@ router = APIRouter(tags=["chat"])
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, engine: EngineDep,
                                  state: StateDep) -> Response:
     check_model(state, body.model)
-    messages = [{"role": m.role, "content": m.text} for m in body.messages]
-    prompt_ids = encode_chat(engine.tokenizer, messages)
+    prompt_ids = encode_chat(engine.tokenizer, [{"role": m.role, "content": m.text} for m in body.messages])
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     run = start_run(request, state, engine, body, prompt_ids, body.output_limit, logprobs, "chatcmpl")
     base = {"id": run.request.request_id, "object": "chat.completion", "created": int(time.time()),
@@ -38,6 +38,18 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         return {**base, "choices": [choice], "usage": run.usage}
 
     return await respond(request, run, _chunks(run, base, body, engine.tokenizer) if body.stream else None, whole)
+
+
+def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Render the tokenizer's chat template with the assistant prompt appended, then tokenize."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ApiError(400, "this model has no chat template; use /v1/completions", code="no_chat_template")
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # template errors are the request's fault (e.g. role order)
+        raise ApiError(400, f"messages: cannot apply the chat template: {exc}", param="messages") from exc
+    # The template already carries BOS and special tokens.
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 async def _chunks(run: GenerationRun, base: dict[str, Any], body: ChatCompletionRequest,

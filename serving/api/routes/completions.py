@@ -9,17 +9,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from serving.api.deps import EngineDep, StateDep
-from serving.api.errors import ApiError
-from serving.api.generation import GenerationRun, encode_text
-from serving.api.routes.common import (
-    Collected,
-    check_finish,
-    check_model,
-    completion_logprobs,
-    respond,
-    start_run,
-)
+from serving.api.deps import EngineDep, StateDep, check_model
+from serving.api.generation import Collected, GenerationRun, check_finish, respond, start_run
+from serving.api.routes.logprobs import completion_logprobs
 from serving.api.schemas import CompletionRequest
 
 router = APIRouter(tags=["completions"])
@@ -29,10 +21,11 @@ router = APIRouter(tags=["completions"])
 async def create_completion(body: CompletionRequest, request: Request, engine: EngineDep,
                             state: StateDep) -> Response:
     check_model(state, body.model)
-    prompt = body.single_prompt
-    if not prompt:
-        raise ApiError(400, "prompt is empty", param="prompt", code="empty_prompt")
-    prompt_ids = list(prompt) if isinstance(prompt, list) else encode_text(engine.tokenizer, prompt)
+    prompt = body.single_prompt  # not empty: the schema refuses that
+    if isinstance(prompt, list):
+        prompt_ids = list(prompt)
+    else:
+        prompt_ids = list(engine.tokenizer.encode(prompt, add_special_tokens=True))
     run = start_run(request, state, engine, body, prompt_ids, body.max_tokens, body.logprobs, "cmpl")
     created = int(time.time())
     base = {"id": run.request.request_id, "object": "text_completion", "created": created, "model": body.model}

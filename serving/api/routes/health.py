@@ -19,5 +19,8 @@ async def health(state: StateDep) -> JSONResponse:
 @router.get("/ready")
 async def ready(state: StateDep) -> JSONResponse:
     is_ready, reason = state.readiness()
-    return JSONResponse({"status": "ready" if is_ready else "not_ready", "reason": reason},
-                        status_code=200 if is_ready else 503, headers=None if is_ready else {"Retry-After": "5"})
+    # Callers read the fields, never the reason's wording: `phase` is the start-up step reached,
+    # `failed` says start-up failed for good (the server stays up, never ready; waiting is pointless).
+    body = {"status": "ready" if is_ready else "not_ready", "reason": reason, "phase": state.phase,
+            "failed": state.failure is not None}
+    return JSONResponse(body, status_code=200 if is_ready else 503, headers=None if is_ready else {"Retry-After": "5"})

@@ -7,8 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from serving.api.deps import StateDep
-from serving.api.routes.common import check_model
+from serving.api.deps import StateDep, check_model
 from serving.api.state import ServerState
 
 router = APIRouter(tags=["models"])

@@ -21,6 +21,7 @@ from serving.engine.engine import LLMEngine
 from serving.engine.kv_cache import BlockManager, KVCache
 from serving.engine.model import Transformer
 from serving.engine.types import GenerationRequest, SamplingParams
+from serving.stats import percentile
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +72,6 @@ class SpecBenchReport:
         return next((r for r in self.c1 if r.system == system and r.tokens_per_s > 0), None)
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(int(round(q * (len(ordered) - 1))), len(ordered) - 1)] if ordered else 0.0
-
-
 def make_engine(target: Path, spec: SpeculativeConfig, max_num_seqs: int, threads: int) -> LLMEngine:
     return LLMEngine.from_config(EngineConfig(
         model=str(target), device="cpu", kv_cache_bytes=256 * 2**20, max_num_seqs=max_num_seqs,
@@ -107,7 +103,7 @@ def run_sequential(
                                        spec.num_drafts - rounds)
     return LatencyRun(
         system, len(prompts), tokens, tokens / sum(latencies), statistics.median(latencies),
-        percentile(latencies, 0.99),
+        percentile(latencies, 99) or 0.0,
         acceptance_rate=d_accepted / d_drafted if d_drafted else None,
         mean_accepted_length=(d_accepted + d_rounds) / d_rounds if d_rounds else None,
     )
@@ -135,7 +131,7 @@ def run_hf(model: Any, system: str, prompts: list[list[int]], output_len: int, *
         latencies.append(time.perf_counter() - start)
         tokens += int(out.shape[1] - ids.shape[1])
     return LatencyRun(system, len(prompts), tokens, tokens / sum(latencies), statistics.median(latencies),
-                      percentile(latencies, 0.99))
+                      percentile(latencies, 99) or 0.0)
 
 
 @torch.inference_mode()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,19 +21,13 @@ from serving.engine.loader import load_model, read_model_args
 from serving.engine.model import ModelArgs, Transformer
 from serving.engine.request import Request
 from serving.engine.sampling import SamplingRows, draw_uniforms, logits_to_probs, sample_from_probs
+from serving.engine.spec.proposer import Proposals
 
 log = logging.getLogger(__name__)
 
 
 class DraftMismatchError(ValueError):
     """The draft cannot serve this target (different tokenizer or vocabulary)."""
-
-
-@dataclass
-class Drafts:
-    tokens: dict[str, list[int]]  # req_id -> proposed tokens
-    probs: dict[str, torch.Tensor]  # req_id -> q [k, vocab] for sampled requests (greedy ones: one-hot, absent)
-    forward_seconds: list[tuple[int, float]]  # (tokens in the forward, seconds) per draft forward
 
 
 def check_same_tokenizer(target_dir: Path, draft_dir: Path, target: ModelArgs, draft: ModelArgs) -> None:
@@ -52,6 +45,8 @@ def check_same_tokenizer(target_dir: Path, draft_dir: Path, target: ModelArgs, d
 
 
 class DraftModelProposer:
+    uses_model = True  # every draft position is a forward of the draft model
+
     def __init__(self, model: Transformer, num_blocks: int, block_size: int) -> None:
         self.model = model
         args = model.args
@@ -94,8 +89,8 @@ class DraftModelProposer:
             self.blocks.truncate(req_id, num_valid_tokens)
 
     @torch.inference_mode()
-    def propose(self, reqs: list[Request], ks: dict[str, int]) -> Drafts:
-        drafts = Drafts({}, {}, [])
+    def propose(self, reqs: list[Request], ks: dict[str, int]) -> Proposals:
+        drafts = Proposals()
         active = []
         for req in reqs:
             k = ks.get(req.request_id, 0)
@@ -128,7 +123,7 @@ class DraftModelProposer:
                 drafts.probs[req_id] = torch.stack(rows)
         return drafts
 
-    def _draft_step(self, reqs: list[Request], seqs: list[SequenceInput], drafts: Drafts,
+    def _draft_step(self, reqs: list[Request], seqs: list[SequenceInput], drafts: Proposals,
                     probs: dict[str, list[torch.Tensor]]) -> None:
         started = time.perf_counter()
         batch = build_forward_batch(seqs, self.block_size, self.model.args.n_rep, self.device, self.dtype)

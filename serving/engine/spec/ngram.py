@@ -9,8 +9,13 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from serving.engine.request import Request
+from serving.engine.spec.proposer import Proposals
+
 
 class NgramProposer:
+    uses_model = False  # a lookup in the sequence's own tokens: drafting is free
+
     def __init__(self, n_min: int = 1, n_max: int = 4) -> None:
         self.n_min, self.n_max = n_min, n_max
 
@@ -28,11 +33,20 @@ class NgramProposer:
                 return tokens[start : start + k].tolist()
         return []
 
-    def propose(self, sequences: dict[str, list[int]], k: dict[str, int]) -> dict[str, list[int]]:
-        """req_id -> drafts for every sequence with a match (absent when none)."""
-        out = {}
-        for req_id, token_ids in sequences.items():
-            drafts = self.propose_one(token_ids, k[req_id])
+    def propose(self, reqs: list[Request], ks: dict[str, int]) -> Proposals:
+        """Drafts for every request with a match (absent when none)."""
+        proposals = Proposals()
+        for req in reqs:
+            drafts = self.propose_one(req.all_token_ids, ks.get(req.request_id, 0))
             if drafts:
-                out[req_id] = drafts
-        return out
+                proposals.tokens[req.request_id] = drafts
+        return proposals
+
+    def lag(self, req: Request) -> int:
+        return 1  # no state of its own: always up to date
+
+    def rollback(self, req_id: str, num_valid_tokens: int) -> None:
+        pass  # nothing cached past the sequence's tokens
+
+    def release(self, req_id: str) -> None:
+        pass

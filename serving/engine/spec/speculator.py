@@ -13,9 +13,8 @@ from serving.engine.config import SpeculativeConfig
 from serving.engine.request import Request
 from serving.engine.sampling import SamplingRows, logits_to_probs
 from serving.engine.scheduler import Scheduler, SchedulerOutput
-from serving.engine.spec.draft import DraftModelProposer
-from serving.engine.spec.ngram import NgramProposer
 from serving.engine.spec.policy import SpeculationPolicy
+from serving.engine.spec.proposer import Proposals, Proposer
 from serving.engine.spec.rejection import rejection_sample, verify_greedy
 from serving.engine.types import SpecStats
 
@@ -32,7 +31,7 @@ class Speculator:
     def __init__(
         self,
         config: SpeculativeConfig,
-        proposer: NgramProposer | DraftModelProposer,
+        proposer: Proposer,
         max_num_batched_tokens: int,
         max_model_len: int,
     ) -> None:
@@ -41,7 +40,7 @@ class Speculator:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.policy = SpeculationPolicy(max_k=config.num_draft_tokens, adaptive=config.adaptive,
-                                        uses_draft_model=isinstance(proposer, DraftModelProposer))
+                                        uses_draft_model=proposer.uses_model)
         self.stats = SpecStats(accepted_per_position=[0] * config.num_draft_tokens)
         self._draft_probs: dict[str, torch.Tensor] = {}  # req_id -> q [k, vocab] of sampled draft tokens
 
@@ -63,41 +62,44 @@ class Speculator:
         prefilling += sum(r.num_tokens for r in scheduler.waiting)
         other_tokens = min(prefilling, max(self.max_num_batched_tokens - len(decoding), 0))
         by_id = {r.request_id: r for r in decoding}
+        catch_up = {rid: amortized_catch_up(self.proposer.lag(by_id[rid]), by_id[rid]) for rid in candidates}
 
-        if isinstance(self.proposer, NgramProposer):
-            proposals = self.proposer.propose({rid: by_id[rid].all_token_ids for rid in candidates}, candidates)
-            ks = self.policy.choose({rid: len(d) for rid, d in proposals.items()}, other_tokens, len(decoding))
-            for rid, drafts in proposals.items():
-                by_id[rid].spec_token_ids = drafts[: ks[rid]]
-        else:
-            catch_up = {rid: amortized_catch_up(self.proposer.lag(by_id[rid]), by_id[rid]) for rid in candidates}
+        if self.proposer.uses_model:  # each draft costs a forward: choose k first, then draft exactly that
             ks = self.policy.choose(candidates, other_tokens, len(decoding), catch_up)
-            ks = {rid: k for rid, k in ks.items() if k > 0}
-            proposed = self.proposer.propose([by_id[rid] for rid in ks], ks)
-            for num_seqs, seconds in proposed.forward_seconds:
-                self.policy.observe_draft_forward(num_seqs, seconds)
-            for rid, tokens in proposed.tokens.items():
-                by_id[rid].spec_token_ids = tokens
-            self._draft_probs.update(proposed.probs)
+            proposed = self.proposer.propose([by_id[rid] for rid, k in ks.items() if k > 0], ks)
+        else:  # drafting is free: draft up to each cap, then keep what is worth verifying
+            proposed = self.proposer.propose([by_id[rid] for rid in candidates], candidates)
+            ks = self.policy.choose({rid: len(d) for rid, d in proposed.tokens.items()}, other_tokens,
+                                    len(decoding), catch_up)
+            proposed = proposed.truncated(ks)
+        self._accept_proposals(proposed, by_id)
         for rid in candidates:
             k = len(by_id[rid].spec_token_ids)
             self.stats.k_histogram[k] = self.stats.k_histogram.get(k, 0) + 1
 
+    def _accept_proposals(self, proposed: Proposals, by_id: dict[str, Request]) -> None:
+        for num_tokens, seconds in proposed.forward_seconds:
+            self.policy.observe_draft_forward(num_tokens, seconds)
+        for rid, tokens in proposed.tokens.items():
+            by_id[rid].spec_token_ids = tokens
+        self._draft_probs.update(proposed.probs)
+
     # ---- verifying ----------------------------------------------------------------------------------
 
-    def verify(self, reqs: list[Request], drafts: list[list[int]], logits: torch.Tensor) -> list[list[int]]:
-        """logits [sum(len(d) + 1), vocab]: each request's rows in order; returns the tokens each emits."""
-        starts = [0]
-        for d in drafts:
-            starts.append(starts[-1] + len(d) + 1)
-        out: list[list[int]] = []
+    def verify(
+        self, reqs: list[Request], drafts: list[list[int]], logits: torch.Tensor, rows: list[range]
+    ) -> list[list[int]]:
+        """rows[i]: request i's rows of the step's logits [rows, vocab] (its last real token, then one per
+        draft), in order; returns the tokens each request emits."""
+        verify_logits = logits[torch.tensor([row for r in rows for row in r], device=logits.device)]
+        lengths = [len(r) for r in rows]
         if all(r.params.greedy for r in reqs):
-            argmax = logits.argmax(dim=-1).tolist()
-            return [verify_greedy(argmax[starts[i] : starts[i + 1]], d) for i, d in enumerate(drafts)]
-        row_params = [r.params for r, d in zip(reqs, drafts, strict=True) for _ in range(len(d) + 1)]
-        probs = logits_to_probs(logits, SamplingRows.from_params(row_params, logits.shape[-1], logits.device))
-        for i, (req, d) in enumerate(zip(reqs, drafts, strict=True)):
-            p = probs[starts[i] : starts[i + 1]]
+            argmax = verify_logits.argmax(dim=-1).split(lengths)
+            return [verify_greedy(a.tolist(), d) for a, d in zip(argmax, drafts, strict=True)]
+        row_params = [r.params for r, n in zip(reqs, lengths, strict=True) for _ in range(n)]
+        probs = logits_to_probs(verify_logits, SamplingRows.from_params(row_params, logits.shape[-1], logits.device))
+        out: list[list[int]] = []
+        for p, req, d in zip(probs.split(lengths), reqs, drafts, strict=True):
             if req.params.greedy:
                 out.append(verify_greedy(p.argmax(dim=-1).tolist(), d))
                 continue
@@ -118,7 +120,7 @@ class Speculator:
                 self._record_verification(req.request_id, accepted, len(drafts))
             if req.is_finished:
                 self.release(req.request_id)
-            elif isinstance(self.proposer, DraftModelProposer):
+            else:
                 self.proposer.rollback(req.request_id, req.num_computed_tokens)
 
     def _record_verification(self, req_id: str, accepted: int, drafted: int) -> None:
@@ -135,5 +137,4 @@ class Speculator:
         """The request left the running set (finished, aborted or preempted): drop its draft state."""
         self._draft_probs.pop(req_id, None)
         self.policy.forget(req_id)
-        if isinstance(self.proposer, DraftModelProposer):
-            self.proposer.release(req_id)
+        self.proposer.release(req_id)

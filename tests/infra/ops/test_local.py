@@ -4,7 +4,6 @@ model as target and draft, a server process on loopback."""
 from __future__ import annotations
 
 import argparse
-import socket
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,16 +12,11 @@ import httpx
 import pytest
 import yaml
 
-from infra.config import STACKS_DIR, load_stack
+from infra.config import load_stack, project_stacks_dir
 from infra.ops.cli import local_cmd
 from infra.ops.cli.main import CommandError
 from infra.ops.local import LocalDeployment, LocalError
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from serving.net import free_port
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +24,11 @@ def checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A scratch checkout: stacks/Pulumi.local.yaml as shipped, on a free port, small KV cache."""
     root = tmp_path_factory.mktemp("checkout")
     (root / "stacks").mkdir()
-    document = yaml.safe_load((STACKS_DIR / "Pulumi.local.yaml").read_text())
-    document["config"]["specdeploy:service"]["port"] = _free_port()
+    document = yaml.safe_load((project_stacks_dir() / "Pulumi.local.yaml").read_text())
+    document["config"]["specdeploy:service"]["port"] = free_port()
     document["config"]["specdeploy:local"]["kv_cache_mb"] = 8
     (root / "stacks" / "Pulumi.local.yaml").write_text(yaml.safe_dump(document))
-    aws = yaml.safe_load((STACKS_DIR / "Pulumi.dev.yaml").read_text())
+    aws = yaml.safe_load((project_stacks_dir() / "Pulumi.dev.yaml").read_text())
     (root / "stacks" / "Pulumi.dev.yaml").write_text(yaml.safe_dump(aws))
     return root
 

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,16 +15,12 @@ import httpx
 import pytest
 import yaml
 
+from serving.net import NotReady, free_port, wait_until_ready
+
 REPO = Path(__file__).resolve().parents[3]
 MODEL_NAME = "tiny"
 KEYS = {"alice": "alice-secret-key-0123456789", "bob": "bob-secret-key-abcdefghij", "slow": "slow-secret-key-zyxwvu98"}
 SLOW_KEY_RPM = 2
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="session")
@@ -71,17 +65,10 @@ class ServerProcess:
         return httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
 
     def wait_ready(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_text()}")
-            try:
-                if httpx.get(f"{self.base_url}/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"server not ready after {timeout}s:\n{self.log_text()}")
+        try:
+            wait_until_ready(self.base_url, timeout, self.proc, poll_s=0.2)
+        except NotReady as exc:
+            raise RuntimeError(f"{exc}:\n{self.log_text()}") from exc
 
     def log_text(self) -> str:
         self.log.flush()

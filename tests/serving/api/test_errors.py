@@ -88,7 +88,7 @@ def test_wrong_key_is_401_and_the_key_is_not_echoed(server: Any) -> None:
 def test_health_and_ready_need_no_key(server: Any) -> None:
     with server.client(key=None) as client:
         assert client.get("/health").status_code == 200
-        assert client.get("/ready").json() == {"status": "ready", "reason": "ready"}
+        assert client.get("/ready").json() == {"status": "ready", "reason": "ready", "phase": "ready", "failed": False}
         assert client.get("/metrics").status_code == 200  # metrics_require_auth is false here
 
 

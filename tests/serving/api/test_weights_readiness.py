@@ -37,9 +37,10 @@ def _ready_reason(config: ServerConfig) -> tuple[int, str]:
         deadline = time.monotonic() + 30
         while True:
             response = client.get("/ready")
-            reason = response.json()["reason"]
-            if "verifying" not in reason and "starting" not in reason or time.monotonic() > deadline:
-                return response.status_code, reason
+            body = response.json()
+            # the engine factory refuses, so every start-up here ends failed: on the weights or on the engine
+            if body["failed"] or time.monotonic() > deadline:
+                return response.status_code, body["reason"]
             time.sleep(0.05)
 
 

@@ -59,10 +59,8 @@ def random_prompts(lengths: list[int], vocab: int = 128, seed: int = 1) -> list[
 
 
 def make_engine(model_dir: Path, **overrides: object) -> LLMEngine:
-    cfg = EngineConfig(model=str(model_dir), kv_cache_bytes=8 * 2**20, max_num_batched_tokens=128, max_num_seqs=32)
-    for key, value in overrides.items():
-        setattr(cfg, key, value)
-    return LLMEngine.from_config(cfg)
+    settings: dict[str, object] = {"kv_cache_bytes": 8 * 2**20, "max_num_batched_tokens": 128, "max_num_seqs": 32}
+    return LLMEngine.from_config(EngineConfig(model=str(model_dir), **{**settings, **overrides}))
 
 
 def run_to_completion(

@@ -136,10 +136,8 @@ def test_counters_track_tokens_and_steps(kit: Any, llama_dir: Path) -> None:
 
 
 def demo_target() -> Path | None:
-    try:
-        from serving.demo import target_path
-    except ImportError:
-        return None
+    from serving.demo import target_path
+
     path = target_path()
     return path if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file() else None
 

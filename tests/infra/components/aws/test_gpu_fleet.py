@@ -12,7 +12,7 @@ import pytest
 from infra.capacity import plan, weight_cache_gib
 from infra.components.aws.gpu_fleet import GpuFleetArgs
 from infra.components.aws.user_data import UserDataSpec, decode_user_data
-from infra.config import ScaleSchedule, load_stack
+from infra.config import load_stack
 from infra.ops.preview import PreviewResult
 from serving import metric_names as m
 
@@ -176,10 +176,6 @@ def test_mixed_fleet_keeps_an_on_demand_base_and_fills_with_spot(aws_variant: Va
     assert (distribution["onDemandBaseCapacity"], distribution["onDemandPercentageAboveBaseCapacity"]) == (1, 0)
 
 
-def test_draft_speculation_without_a_draft_version_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"release\.blue\.draft_version is required"):
-        _fleet_args(requires_draft=True)
-
 
 def _fleet_args(**changes: Any) -> GpuFleetArgs:
     config = load_stack("dev").config
@@ -193,8 +189,7 @@ def _fleet_args(**changes: Any) -> GpuFleetArgs:
     fleet = config.fleet.model_copy(update=changes.pop("fleet", {}))
     return GpuFleetArgs(boot=boot, bucket_name="acme-specdeploy-models-dev", instance_type="g6e.xlarge",
                         fleet=fleet, weight_cache_gb=changes.pop("weight_cache_gb", 32), vpc_id="v", subnet_ids=[],
-                        lb_security_group_id="sg", target_group_arn="tg", repository_arn="r", secret_arn="s",
-                        requires_draft=changes.pop("requires_draft", False))
+                        lb_security_group_id="sg", target_group_arn="tg", repository_arn="r", secret_arn="s")
 
 
 def test_image_by_tag_is_refused() -> None:
@@ -210,9 +205,3 @@ def test_weights_outside_the_model_store_are_refused() -> None:
 def test_root_volume_too_small_for_the_cache_is_refused() -> None:
     with pytest.raises(ValueError, match=r"fleet\.root_volume_gb \(150\) is below 260 GiB"):
         _fleet_args(weight_cache_gb=200)
-
-
-def test_schedule_above_max_size_is_refused() -> None:
-    peak = ScaleSchedule(name="peak", cron="0 8 * * *", min_size=5)
-    with pytest.raises(ValueError, match=r"fleet\.scale_schedules\[0\]\.min_size \(5\) exceeds"):
-        _fleet_args(fleet={"scale_schedules": [peak]})

@@ -29,8 +29,10 @@ def test_images_are_scanned_on_push(stack: str, aws_stack: StackFn) -> None:
 
 
 @pulumi.runtime.test
-def test_repository_is_named_by_the_fleet_setting(aws_stack: StackFn) -> None:
-    assert aws_stack("prod").single(REPO).inputs["name"] == "specdeploy-server"
+def test_repository_is_named_by_the_fleet_setting(aws_variant: Callable[..., PreviewResult]) -> None:
+    result = aws_variant("prod", fleet={"image_repository": "team-llm/server"})  # not the default
+    assert result.single(REPO).inputs["name"] == "team-llm/server"
+    assert result.exports["image_repository_url"].endswith("/team-llm/server")
 
 
 @pulumi.runtime.test
@@ -38,10 +40,6 @@ def test_untagged_images_expire(aws_stack: StackFn) -> None:
     rules = json.loads(aws_stack("prod").single("aws:ecr/lifecyclePolicy:LifecyclePolicy").inputs["policy"])["rules"]
     assert rules[0]["selection"]["tagStatus"] == "untagged" and rules[0]["action"]["type"] == "expire"
 
-
-def test_invalid_repository_name_names_the_key() -> None:
-    with pytest.raises(ValueError, match=r"fleet\.image_repository"):
-        ImageRepositoryArgs(repository_name="Specdeploy Server")
 
 
 _built: dict[str, ImageRepository] = {}

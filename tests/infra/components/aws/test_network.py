@@ -66,10 +66,6 @@ def test_existing_vpc_is_used_as_given(aws_variant: VariantFn) -> None:
     assert result.single("aws:lb/loadBalancer:LoadBalancer").inputs["subnets"] == ["subnet-1", "subnet-2"]
 
 
-def test_existing_vpc_needs_private_subnets() -> None:
-    with pytest.raises(ValueError, match=r"access\.private_subnet_ids is required"):
-        NetworkArgs(region="us-east-1", public=False, vpc_id="vpc-0abc")
-
 
 def test_tiny_cidr_is_refused() -> None:
     with pytest.raises(ValueError, match="cidr_block 10.0.0.0/24 is too small"):

@@ -84,11 +84,6 @@ def test_single_slot_route_has_one_backend(render: Any, variant_config: Any) -> 
     assert "sectionName" not in route["spec"]["parentRefs"][0]
 
 
-def test_source_allow_list_cannot_be_silently_dropped(render: Any, variant_config: Any) -> None:
-    config = variant_config("k8s-dev", kubernetes={"routing": "gateway-api", "gateway": "gateways/internal"})
-    with pytest.raises(ValueError, match=r"access\.allowed_cidrs"):
-        render("k8s-dev", config)
-
 
 def test_gateway_is_required(variant_config: Any) -> None:
     with pytest.raises((ConfigError, ValueError), match=r"kubernetes\.gateway"):

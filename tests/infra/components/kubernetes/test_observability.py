@@ -14,6 +14,22 @@ from infra.config import load_stack
 
 PROD = load_stack("k8s-prod").config
 RULES = alert_rules(PROD)
+# The k8s-prod rules written out by hand (stacks/Pulumi.k8s-prod.yaml's alerting section and
+# kubernetes.min_replicas), not computed by alert_rules(): name -> (severity, for, PromQL).
+K8S_PROD_RULES = {
+    "SpecdeployHighErrorRate": ("critical", "5m", 'sum(rate(specdeploy_requests_total{status=~"5.."}[5m])) / '
+                                "clamp_min(sum(rate(specdeploy_requests_total[5m])), 1e-9) > 0.01"),
+    "SpecdeployHighP99Latency": ("warning", "5m", "histogram_quantile(0.99, sum by (le) "
+                                 "(rate(specdeploy_e2e_request_latency_seconds_bucket[5m]))) > 30"),
+    "SpecdeployHighP99Ttft": ("warning", "5m", "histogram_quantile(0.99, sum by (le) "
+                              "(rate(specdeploy_time_to_first_token_seconds_bucket[5m]))) > 1.5"),
+    "SpecdeployQueueBacklog": ("warning", "5m", "max(specdeploy_requests_waiting) > 32"),
+    "SpecdeployGpuMemoryHigh": ("warning", "5m", "max(specdeploy_gpu_memory_used_bytes / "
+                                "clamp_min(specdeploy_gpu_memory_total_bytes, 1)) >= 0.85"),
+    "SpecdeployGpuUtilizationHigh": ("warning", "15m", "avg(specdeploy_gpu_utilization_ratio) >= 0.95"),
+    "SpecdeployUnhealthyHosts": ("critical", "2m", "count(specdeploy_ready == 0) > 0"),
+    "SpecdeployFleetBelowMinimum": ("critical", "5m", "(count(specdeploy_ready == 1) or vector(0)) < 2"),
+}
 EXPECTED_PANELS = {"Time to first token", "Time per output token", "Throughput", "Queue", "KV cache usage",
                    "Speculative acceptance rate", "Errors"}
 
@@ -30,16 +46,17 @@ def dashboard_queries() -> list[str]:
 
 
 @pulumi.runtime.test
-def test_rule_names_are_the_shared_alert_names(prod: Any) -> pulumi.Output[None]:
+def test_rule_names_are_the_alert_set_in_order(prod: Any) -> pulumi.Output[None]:
     def check(rules: list[dict[str, Any]]) -> None:
-        assert [r["alert"] for r in rules] == [r.name for r in RULES]
+        assert [r["alert"] for r in rules] == list(K8S_PROD_RULES)
     return _rules(prod).apply(check)
 
 
 @pulumi.runtime.test
-def test_rule_expressions_and_durations_are_the_shared_ones(prod: Any) -> pulumi.Output[None]:
+def test_rule_expressions_and_durations_are_written_for_k8s_prod(prod: Any) -> pulumi.Output[None]:
     def check(rules: list[dict[str, Any]]) -> None:
-        assert [(r["expr"], r["for"]) for r in rules] == [(a.promql, f"{a.for_minutes}m") for a in RULES]
+        assert {r["alert"]: (r["expr"], r["for"]) for r in rules} == {
+            name: (expr, duration) for name, (_, duration, expr) in K8S_PROD_RULES.items()}
     return _rules(prod).apply(check)
 
 
@@ -50,8 +67,6 @@ def test_rule_thresholds_come_from_the_stack(prod: Any) -> pulumi.Output[None]:
         assert by_name["SpecdeployHighP99Ttft"].endswith("> 1.5")  # alerting.p99_ttft_s in k8s-prod
         assert by_name["SpecdeployHighErrorRate"].endswith("> 0.01")
         assert by_name["SpecdeployFleetBelowMinimum"].endswith("< 2")  # kubernetes.min_replicas
-        for rule, alert in zip(rules, RULES, strict=True):
-            assert rule["expr"].endswith(f"{alert.comparison} {alert.threshold:g}")
     return _rules(prod).apply(check)
 
 
@@ -67,9 +82,10 @@ def test_every_rule_links_its_runbook(prod: Any) -> pulumi.Output[None]:
 
 
 @pulumi.runtime.test
-def test_rule_severity_labels_match_the_alert_set(prod: Any) -> pulumi.Output[None]:
+def test_rule_severity_labels_page_only_on_outages(prod: Any) -> pulumi.Output[None]:
     def check(rules: list[dict[str, Any]]) -> None:
-        assert [r["labels"]["severity"] for r in rules] == [a.severity for a in RULES]
+        assert {r["alert"]: r["labels"]["severity"] for r in rules} == {
+            name: severity for name, (severity, _, _) in K8S_PROD_RULES.items()}
     return _rules(prod).apply(check)
 
 

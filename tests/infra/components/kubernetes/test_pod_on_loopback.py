@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,18 +24,13 @@ import yaml
 
 from infra.config import load_stack
 from serving import metric_names
+from serving.net import NotReady, free_port, wait_until_ready
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[4]
 KEY = "k8s-live-test-key-0123456789"
 GPU_ONLY = {metric_names.GPU_MEMORY_USED, metric_names.GPU_MEMORY_TOTAL, metric_names.GPU_UTILIZATION}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _specdeploy(*args: str) -> list[str]:
@@ -92,7 +85,7 @@ def served(pod: Pod) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
                    timeout=120)
 
     # 2. The mounted files: ConfigMap (cluster paths mapped under the pod root, loopback port) and api-keys.
-    port = _free_port()
+    port = free_port()
     server_yaml = pod.config_map["data"]["server.yaml"]
     settings = yaml.safe_load(server_yaml)
     keys = Path(pod.local(settings["service"]["api_keys_file"]))
@@ -114,17 +107,10 @@ def served(pod: Pod) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
                             stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, (pod.root / "server.log").read_text()
-            try:
-                if httpx.get(base + pod.probe_path("startupProbe"), timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.25)
-        else:
-            pytest.fail("server not ready:\n" + (pod.root / "server.log").read_text())
+        try:
+            wait_until_ready(base, 180, proc, path=pod.probe_path("startupProbe"))
+        except NotReady as exc:
+            pytest.fail(f"{exc}\n" + (pod.root / "server.log").read_text())
         yield base, proc
     finally:
         if proc.poll() is None:

@@ -290,9 +290,3 @@ def test_rollout_never_drops_below_the_current_capacity(prod: Any) -> pulumi.Out
         assert spec.strategy.rolling_update.max_unavailable == 0
         assert spec.replicas == PROD.kubernetes.min_replicas
     return prod().stack.slots["green"].deployment.spec.apply(check)
-
-
-def test_a_draft_slot_without_a_draft_version_is_refused(render: Any, variant_config: Any) -> None:
-    config = variant_config("k8s-prod", release={"green": {"image": "img", "model_version": GREEN.model_version}})
-    with pytest.raises(ValueError, match=r"release\.green\.draft_version"):
-        render("k8s-prod", config)

@@ -15,12 +15,14 @@ from typing import Any
 import pytest
 
 from infra.alerts import alert_rules
-from infra.config import STACKS_DIR, load_stack
+from infra.config import load_stack, project_stacks_dir
 from serving import metric_names as m
 
 GREEN = {
     "image": "123456789012.dkr.ecr.us-east-1.amazonaws.com/specdeploy-server@sha256:" + "4" * 64,
     "model_version": "s3://acme-specdeploy-models-prod/llama-3.1-8b-instruct/2026-12-02",
+    # prod speculates with a draft model, so every slot names its draft (the stack schema checks it)
+    "draft_version": "s3://acme-specdeploy-models-prod/llama-3.2-1b-instruct/2026-12-02",
 }
 ALARM_PREFIX = "prod-"  # the alerting component names alarms <stack>-<RuleName>
 RUNBOOKS = "https://example.com/runbooks"
@@ -212,10 +214,10 @@ def prod_copy(tmp_path: Path) -> Path:
     """stacks/Pulumi.prod.yaml copied into tmp_path with the green slot filled in (step 1 of rollout.md)."""
     stacks = tmp_path / "stacks"
     stacks.mkdir()
-    text = (STACKS_DIR / "Pulumi.prod.yaml").read_text(encoding="utf-8")
+    text = (project_stacks_dir() / "Pulumi.prod.yaml").read_text(encoding="utf-8")
     marker = "  specdeploy:apiKeys:"
     green = "    green:\n" + "".join(f"      {k}: {v}\n" for k, v in GREEN.items())
     assert marker in text
     (stacks / "Pulumi.prod.yaml").write_text(text.replace(marker, green + marker), encoding="utf-8")
-    shutil.copy(STACKS_DIR / "Pulumi.k8s-prod.yaml", stacks / "Pulumi.k8s-prod.yaml")
+    shutil.copy(project_stacks_dir() / "Pulumi.k8s-prod.yaml", stacks / "Pulumi.k8s-prod.yaml")
     return stacks

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra.config import STACKS_DIR, ReleaseSpec, SlotSpec, load_stack
+from infra.config import ReleaseSpec, SlotSpec, load_stack, project_stacks_dir
 from infra.ops.release.model import ReleaseError
 from infra.ops.release.stackfile import render_release, write_release
 
@@ -84,7 +84,7 @@ def test_a_stack_without_release_gets_one_appended() -> None:
 
 
 def test_every_repository_stack_round_trips_unchanged() -> None:
-    for path in sorted(STACKS_DIR.glob("Pulumi.*.yaml")):
+    for path in sorted(project_stacks_dir().glob("Pulumi.*.yaml")):
         stack = load_stack(path.name[len("Pulumi."):-len(".yaml")])
         text = path.read_text(encoding="utf-8")
         if stack.config.release is not None:

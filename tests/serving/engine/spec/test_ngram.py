@@ -1,6 +1,13 @@
 from __future__ import annotations
 
+from serving.engine.request import Request
 from serving.engine.spec.ngram import NgramProposer
+from serving.engine.types import SamplingParams
+
+
+def request(req_id: str, tokens: list[int]) -> Request:
+    return Request(req_id, tokens, SamplingParams(), eos_token_ids=[], max_model_len=64, tokenizer=None,
+                   default_seed=0)
 
 
 def test_longest_suffix_match_proposes_what_followed() -> None:
@@ -17,4 +24,6 @@ def test_most_recent_match_wins_and_k_caps_the_proposal() -> None:
 def test_no_match_no_proposal() -> None:
     proposer = NgramProposer(n_min=2, n_max=3)
     assert proposer.propose_one([1, 2, 3, 4], 3) == []
-    assert proposer.propose({"a": [1, 2, 1, 2], "b": [1, 2, 3]}, {"a": 2, "b": 2}) == {"a": [1, 2]}
+    proposals = proposer.propose([request("a", [1, 2, 1, 2]), request("b", [1, 2, 3])], {"a": 2, "b": 2})
+    assert proposals.tokens == {"a": [1, 2]}
+    assert not proposals.probs and not proposals.forward_seconds  # one-hot drafts, no model ran

@@ -210,10 +210,8 @@ def test_the_distribution_test_detects_a_broken_acceptance_rule(
 
 
 def demo_pair() -> tuple[Path, Path] | None:
-    try:
-        from serving.demo import draft_path, target_path
-    except ImportError:
-        return None
+    from serving.demo import draft_path, target_path
+
     pair = (target_path(), draft_path())
     return pair if all((p / "model.safetensors").is_file() for p in pair) else None
 

@@ -1,0 +1,52 @@
+"""What a proposer is: one `propose` signature, implemented by every file next to this one.
+
+The speculator drives any proposer through this interface and never asks which kind it has. The one
+difference that matters to it is cost, stated by `uses_model`: a model-free proposer (n-gram lookup)
+drafts for free, so it drafts up to each cap and the policy trims; a model-based one (a draft model)
+pays a forward per draft position, so the policy picks k first and the proposer drafts exactly that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from serving.engine.request import Request
+
+
+@dataclass
+class Proposals:
+    tokens: dict[str, list[int]] = field(default_factory=dict)  # req_id -> draft tokens (absent: none)
+    probs: dict[str, torch.Tensor] = field(default_factory=dict)  # req_id -> q [k, vocab]; absent: one-hot q
+    forward_seconds: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds) per draft forward
+
+    def truncated(self, ks: dict[str, int]) -> Proposals:
+        """Only the first ks[req_id] drafts of each request (the policy decided the rest are not worth it)."""
+        return Proposals({rid: drafts[: ks.get(rid, 0)] for rid, drafts in self.tokens.items()},
+                         {rid: q[: ks.get(rid, 0)] for rid, q in self.probs.items()}, self.forward_seconds)
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    # True: each draft position costs a model forward (the policy charges it, and the proposer may lag the
+    # sequence and have to catch up); False: drafting is free
+    uses_model: bool
+
+    def propose(self, reqs: list[Request], ks: dict[str, int]) -> Proposals:
+        """Up to ks[req_id] draft tokens following each request's tokens so far."""
+        ...
+
+    def lag(self, req: Request) -> int:
+        """Tokens the proposer must run for this sequence before it can draft (1 when it is up to date)."""
+        ...
+
+    def rollback(self, req_id: str, num_valid_tokens: int) -> None:
+        """The sequence keeps only its first num_valid_tokens tokens (the rest were rejected drafts)."""
+        ...
+
+    def release(self, req_id: str) -> None:
+        """The request left the running set: drop whatever the proposer holds for it."""
+        ...

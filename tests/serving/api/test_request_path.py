@@ -1,0 +1,106 @@
+"""The request path in one process (the app on a TestClient, the real engine on the tiny model): every check
+runs exactly once per request, at its layer."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from serving.api import generation
+from serving.api.settings import Settings
+from serving.config import ServerConfig
+from serving.engine.engine import LLMEngine
+from serving.engine.types import SamplingParams
+from serving.main import create_app
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory, model_store: str) -> Iterator[TestClient]:
+    config = ServerConfig.model_validate({
+        "service": {"served_model_name": "tiny", "weights_uri": model_store},
+        "model": {"path": str(tmp_path_factory.mktemp("cache") / "tiny"), "dtype": "fp32", "device": "cpu",
+                  "kv_cache_bytes": 4 * 2**20},
+        "scheduler": {"max_input_len": 512, "max_output_len": 256, "max_batched_tokens": 512},
+    })
+    with TestClient(create_app(Settings(config=config))) as test_client:  # no API keys: auth is off
+        deadline = time.monotonic() + 120
+        while test_client.get("/ready").status_code != 200:
+            assert time.monotonic() < deadline, test_client.get("/ready").text
+            time.sleep(0.1)
+        yield test_client
+
+
+class Counter:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> None:
+        self.calls = 0
+        original: Callable[..., Any] = getattr(owner, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+
+
+REQUESTS = [
+    pytest.param("/v1/completions", {"prompt": "hello there", "max_tokens": 5}, id="completion"),
+    pytest.param("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 5, "stream": True}, id="completion-stream"),
+    pytest.param("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5},
+                 id="chat"),
+    pytest.param("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+                                          "stream": True}, id="chat-stream"),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), REQUESTS)
+def test_each_check_runs_once_per_request(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch, path: str, body: dict[str, Any]
+) -> None:
+    engine_admission = Counter(monkeypatch, LLMEngine, "check_admission")
+    validation = Counter(monkeypatch, SamplingParams, "validate")
+    server_admission = Counter(monkeypatch, generation, "admit")
+    limits = Counter(monkeypatch, generation, "resolve_max_tokens")
+    response = client.post(path, json={"model": "tiny", **body})
+    assert response.status_code == 200, response.text
+    if body.get("stream"):
+        assert response.text.rstrip().endswith("data: [DONE]")
+    else:
+        assert response.json()["usage"]["completion_tokens"] == 5
+    assert (engine_admission.calls, validation.calls, server_admission.calls, limits.calls) == (1, 1, 1, 1)
+
+
+def test_an_engine_refusal_is_mapped_once_and_nothing_runs(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine_admission = Counter(monkeypatch, LLMEngine, "check_admission")
+    response = client.post("/v1/completions", json={"model": "tiny", "prompt": [1, 99999], "max_tokens": 3})
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "invalid_value"
+    assert "token ids outside [0, 4096)" in response.json()["error"]["message"]
+    assert engine_admission.calls == 1
+    assert client.get("/ready").status_code == 200
+
+
+@pytest.mark.parametrize("prompt", ["", [], [""], [[]]])
+def test_an_empty_prompt_is_refused_by_the_schema(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch, prompt: Any
+) -> None:
+    limits = Counter(monkeypatch, generation, "resolve_max_tokens")
+    response = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt})
+    assert response.status_code == 400
+    assert response.json()["error"] == {"message": "prompt is empty", "type": "invalid_request_error",
+                                        "param": "prompt", "code": "empty_prompt"}
+    assert limits.calls == 0  # refused before the request path began
+
+
+def test_the_routers_only_build_the_prompt() -> None:
+    from serving.api.routes import chat, completions
+
+    for router in (chat, completions):
+        source = Path(router.__file__).read_text()
+        assert "start_run(" in source and "respond(" in source
+        for check in ("resolve_max_tokens", "check_admission", ".validate(", "prompt is empty"):
+            assert check not in source, f"{router.__name__} checks {check} itself"

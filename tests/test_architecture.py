@@ -1,0 +1,169 @@
+"""The import rules of docs/ARCHITECTURE.md, checked with `ast` over every module of infra/ and serving/.
+
+"Module level" is every import that runs when the module is imported: anything outside a function
+body, except under ``if TYPE_CHECKING:``. Function-level imports run only in the command that needs
+them, which is how the CLI stays light and how `specdeploy bench` may reach the engine.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("infra", "serving")
+PULUMI = ("pulumi", "pulumi_aws", "pulumi_kubernetes", "pulumi_policy")
+# Where Pulumi may be imported at module level: the program, its components, the policy pack, and
+# the preview (which runs the program under Pulumi's mocks).
+PULUMI_HOMES = ("infra/program/", "infra/components/", "infra/policy/", "infra/ops/preview.py")
+
+
+@dataclass(frozen=True)
+class Import:
+    module: str  # absolute dotted name; `from a import b` yields both a and a.b
+    line: int
+    module_level: bool  # runs on import (not inside a function, not under TYPE_CHECKING)
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(source: str, module: str, is_package: bool = False) -> list[Import]:
+    """Every import statement in ``source`` (the text of ``module``), relative ones made absolute."""
+    found: list[Import] = []
+    package = module if is_package else module.rpartition(".")[0]
+
+    def visit(node: ast.AST, module_level: bool) -> None:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            module_level = False
+        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            for statement in node.body:
+                visit(statement, False)
+            for statement in node.orelse:
+                visit(statement, module_level)
+            return
+        if isinstance(node, ast.Import):
+            found.extend(Import(alias.name, node.lineno, module_level) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.append(Import(base, node.lineno, module_level))
+            found.extend(Import(f"{base}.{alias.name}", node.lineno, module_level)
+                         for alias in node.names if alias.name != "*")
+        for child in ast.iter_child_nodes(node):
+            visit(child, module_level)
+
+    visit(ast.parse(source), True)
+    return found
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _within(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+@dataclass(frozen=True)
+class Module:
+    path: str  # relative to the repository, with forward slashes
+    imports: tuple[Import, ...]
+
+
+def _modules(root: Path = REPO) -> Iterator[Module]:
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            name = _module_name(path, root)
+            imports = imports_of(path.read_text(encoding="utf-8"), name, path.name == "__init__.py")
+            yield Module(path.relative_to(root).as_posix(), tuple(imports))
+
+
+MODULES = list(_modules())
+
+
+def rules_broken(path: str, imp: Import) -> list[str]:
+    """The rules one import of the module at ``path`` breaks."""
+    in_serving, in_infra = path.startswith("serving/"), path.startswith("infra/")
+    broken = []
+    if path.startswith("serving/engine/") and _within(imp.module, ("fastapi", "starlette", "serving.api")):
+        broken.append("the engine knows no HTTP")
+    if in_serving and _within(imp.module, ("infra",)):
+        broken.append("serving/ never imports infra/ (the server image carries no infra/)")
+    if in_serving and _within(imp.module, PULUMI):
+        broken.append("serving/ never imports Pulumi (the server image carries none)")
+    if not imp.module_level:
+        return broken
+    if in_infra and _within(imp.module, ("torch", "transformers")):
+        broken.append("infra/ never imports torch or transformers at module level")
+    if in_infra and _within(imp.module, ("serving.engine", "serving.api")):
+        broken.append("infra/ reaches the engine and the HTTP server only inside the serve/bench functions")
+    if _within(imp.module, PULUMI) and not path.startswith(PULUMI_HOMES):
+        broken.append("Pulumi is imported at module level only by the program, components, policy and preview")
+    return broken
+
+
+def violations(modules: list[Module]) -> list[str]:
+    """Each broken rule as 'path:line: rule (import)'."""
+    found: dict[tuple[str, int, str], str] = {}  # one entry per statement and rule
+    for module in modules:
+        for imp in module.imports:
+            for rule in rules_broken(module.path, imp):
+                found.setdefault((module.path, imp.line, rule), f"{module.path}:{imp.line}: {rule} ({imp.module})")
+    return list(found.values())
+
+
+def test_every_package_is_scanned() -> None:
+    paths = {m.path for m in MODULES}
+    assert {"serving/engine/engine.py", "serving/main.py", "infra/config.py", "infra/program/aws.py"} <= paths
+
+
+def test_the_tree_keeps_the_import_rules() -> None:
+    assert violations(MODULES) == []
+
+
+# The checker itself, on made-up modules: each rule must be able to fail.
+
+def _module(path: str, source: str) -> Module:
+    name = _module_name(REPO / path, REPO)
+    return Module(path, tuple(imports_of(source, name, path.endswith("__init__.py"))))
+
+
+@pytest.mark.parametrize(("path", "source", "rule"), [
+    ("serving/engine/x.py", "import fastapi\n", "the engine knows no HTTP"),
+    ("serving/engine/x.py", "def f():\n    from starlette.requests import Request\n", "the engine knows no HTTP"),
+    ("serving/engine/spec/x.py", "from ...api import routes\n", "the engine knows no HTTP"),
+    ("serving/engine/x.py", "from serving import api\n", "the engine knows no HTTP"),
+    ("serving/cli.py", "def serve():\n    from infra.config import load_stack\n", "serving/ never imports infra/"),
+    ("serving/x.py", "import pulumi\n", "serving/ never imports Pulumi"),
+    ("infra/capacity.py", "import torch\n", "never imports torch or transformers"),
+    ("infra/ops/x.py", "try:\n    from transformers import AutoConfig\nexcept ImportError:\n    pass\n",
+     "never imports torch or transformers"),
+    ("infra/ops/cli/x.py", "from serving.engine.engine import LLMEngine\n", "only inside the serve/bench functions"),
+    ("infra/config.py", "import pulumi\n", "Pulumi is imported at module level only"),
+    ("infra/ops/release/x.py", "import pulumi_aws as aws\n", "Pulumi is imported at module level only"),
+])
+def test_the_checker_catches(path: str, source: str, rule: str) -> None:
+    found = violations([_module(path, source)])
+    assert any(rule in f for f in found) and all(f.startswith(f"{path}:") for f in found), found
+
+
+@pytest.mark.parametrize(("path", "source"), [
+    ("infra/ops/cli/bench_cmd.py", "def run():\n    from serving.engine.benchmark import bench\n    import torch\n"),
+    ("infra/ops/preview.py", "import pulumi\n"),
+    ("infra/components/aws/x.py", "import pulumi_aws as aws\n"),
+    ("infra/ops/x.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n"),
+    ("infra/alerts.py", "from serving import metric_names\n"),
+    ("serving/engine/x.py", "from serving.stats import percentile\n"),
+])
+def test_the_checker_allows(path: str, source: str) -> None:
+    assert violations([_module(path, source)]) == []
