@@ -15,15 +15,22 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from infra.components.kubernetes.common import quantity, slot_labels
-from infra.config import KubernetesSpec
 from serving import metric_names
 
 
 @dataclass(frozen=True)
 class QueueAutoscalerArgs:
-    spec: KubernetesSpec  # replicas, queue target, scale-down window
     namespace: pulumi.Input[str]
     deployments: dict[str, pulumi.Input[str]]  # slot name -> its Deployment name
+    min_replicas: int  # per slot; at least 1 (scale to zero needs a feature gate managed clusters lack)
+    max_replicas: int
+    queue_target_per_pod: float  # average specdeploy_requests_waiting per pod the HPA aims for
+    scale_down_stabilization_s: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_replicas <= self.max_replicas:
+            raise ValueError(f"kubernetes.min_replicas ({self.min_replicas}) must lie in "
+                             f"[1, kubernetes.max_replicas ({self.max_replicas})]")
 
 
 class QueueAutoscaler(pulumi.ComponentResource):
@@ -34,7 +41,6 @@ class QueueAutoscaler(pulumi.ComponentResource):
     def __init__(self, name: str, args: QueueAutoscalerArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("specdeploy:kubernetes:QueueAutoscaler", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
-        spec = args.spec  # min_replicas in [1, max_replicas]: checked by the stack schema
 
         self.autoscalers = {}
         for slot, deployment in sorted(args.deployments.items()):
@@ -43,13 +49,13 @@ class QueueAutoscaler(pulumi.ComponentResource):
                 metadata={"name": f"specdeploy-{slot}", "namespace": args.namespace, "labels": slot_labels(slot)},
                 spec={
                     "scale_target_ref": {"api_version": "apps/v1", "kind": "Deployment", "name": deployment},
-                    "min_replicas": spec.min_replicas,
-                    "max_replicas": spec.max_replicas,
+                    "min_replicas": args.min_replicas,
+                    "max_replicas": args.max_replicas,
                     "metrics": [{
                         "type": "Pods",
                         "pods": {
                             "metric": {"name": metric_names.WAITING},
-                            "target": {"type": "AverageValue", "average_value": quantity(spec.queue_target_per_pod)},
+                            "target": {"type": "AverageValue", "average_value": quantity(args.queue_target_per_pod)},
                         },
                     }],
                     "behavior": {
@@ -59,7 +65,7 @@ class QueueAutoscaler(pulumi.ComponentResource):
                             "policies": [{"type": "Pods", "value": 2, "period_seconds": 60}],
                         },
                         "scale_down": {
-                            "stabilization_window_seconds": spec.scale_down_stabilization_s,
+                            "stabilization_window_seconds": args.scale_down_stabilization_s,
                             "select_policy": "Min",
                             "policies": [{"type": "Pods", "value": 1, "period_seconds": 300}],
                         },

@@ -1,6 +1,6 @@
 """Names, labels and small conversions shared by the Kubernetes components.
 
-Not a component: the components in ``k8s_*.py`` import these so that a label
+Not a component: the components beside it import these so that a label
 or a path is spelled once (a Service selector that drifts from its pod labels
 routes nothing, silently).
 """

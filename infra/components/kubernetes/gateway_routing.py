@@ -16,18 +16,24 @@ from typing import Any
 import pulumi
 import pulumi_kubernetes as k8s
 
-from infra.components.kubernetes.common import app_labels, kubernetes_spec
-from infra.components.kubernetes.routing import traffic_split
-from infra.config import StackConfig
+from infra.components.kubernetes.common import app_labels
+from infra.components.kubernetes.routing import TrafficSplit, proxy_timeout_s
 
 GATEWAY_API = "gateway.networking.k8s.io/v1"
 
 
 @dataclass(frozen=True)
 class GatewayRoutingArgs:
-    config: StackConfig  # access (domain, CIDRs), release (active slot, canary weight), kubernetes (gateway)
     namespace: pulumi.Input[str]
-    slot_services: dict[str, pulumi.Input[str]]  # slot name -> its Service name
+    split: TrafficSplit  # the Services of the active and idle slots and the canary weight
+    gateway: str | None  # kubernetes.gateway: namespace/name[/listener]
+    host: str | None  # access.domain; None matches every hostname
+    port: int  # the Services' port (service.port)
+    request_timeout_s: float  # the server's scheduler.request_timeout_s
+
+    def __post_init__(self) -> None:
+        if self.gateway is None:
+            raise ValueError("kubernetes.gateway (namespace/name) is required when kubernetes.routing is gateway-api")
 
 
 def parent_ref(gateway: str) -> dict[str, str]:
@@ -48,26 +54,21 @@ class GatewayRouting(pulumi.ComponentResource):
 
     def __init__(self, name: str, args: GatewayRoutingArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("specdeploy:kubernetes:GatewayRouting", name, None, opts)
-        config = args.config
-        spec = kubernetes_spec(config)
-        if spec.gateway is None:
-            raise ValueError("kubernetes.gateway (namespace/name) is required when kubernetes.routing is gateway-api")
-        split = traffic_split(config, args.slot_services)
-        self.host = config.access.domain
+        split, port = args.split, args.port
+        self.host = args.host
         self.canary_weight = split.canary_weight
 
-        port = config.service.port
         backends: list[dict[str, Any]] = [
             {"name": split.active_service, "port": port, "weight": 100 - split.canary_weight}]
         if split.idle_service is not None:
             backends.append({"name": split.idle_service, "port": port, "weight": split.canary_weight})
         route_spec: dict[str, Any] = {
-            "parentRefs": [parent_ref(spec.gateway)],
+            "parentRefs": [parent_ref(str(args.gateway))],
             "rules": [{
                 "matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
                 "backendRefs": backends,
                 # Above the server's own request timeout, which answers 504 itself.
-                "timeouts": {"request": f"{int(config.scheduler.request_timeout_s) + 30}s"},
+                "timeouts": {"request": f"{proxy_timeout_s(args.request_timeout_s)}s"},
             }],
         }
         if self.host:

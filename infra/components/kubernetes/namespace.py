@@ -8,14 +8,16 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from infra.components.kubernetes.common import APP, app_labels, metadata_name
-from infra.config import KubernetesSpec
 
 SERVICE_ACCOUNT = f"{APP}-server"
 
 
 @dataclass(frozen=True)
 class ServingNamespaceArgs:
-    spec: KubernetesSpec  # the stack's `kubernetes` section
+    namespace: str  # kubernetes.namespace
+    host_path_cache: bool  # the weight cache is a hostPath volume, which Pod Security `restricted` forbids
+    # Annotations of the ServiceAccount: workload identity (IRSA, GKE) for the weight pull instead of static keys.
+    service_account_annotations: dict[str, str]
 
 
 class ServingNamespace(pulumi.ComponentResource):
@@ -30,18 +32,17 @@ class ServingNamespace(pulumi.ComponentResource):
     def __init__(self, name: str, args: ServingNamespaceArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("specdeploy:kubernetes:ServingNamespace", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
-        spec = args.spec
 
         # hostPath volumes are forbidden by the baseline and restricted levels; such a stack still
         # gets the restricted level as a warning and audit so every other deviation shows up.
         pod_security = {
             "pod-security.kubernetes.io/warn": "restricted",
             "pod-security.kubernetes.io/audit": "restricted",
-            "pod-security.kubernetes.io/enforce": "privileged" if spec.weight_cache == "hostPath" else "restricted",
+            "pod-security.kubernetes.io/enforce": "privileged" if args.host_path_cache else "restricted",
         }
         self.namespace = k8s.core.v1.Namespace(
             f"{name}-namespace",
-            metadata={"name": spec.namespace, "labels": {**app_labels("namespace"), **pod_security}},
+            metadata={"name": args.namespace, "labels": {**app_labels("namespace"), **pod_security}},
             opts=child,
         )
         self.name = metadata_name(self.namespace)
@@ -49,8 +50,7 @@ class ServingNamespace(pulumi.ComponentResource):
         self.service_account = k8s.core.v1.ServiceAccount(
             f"{name}-service-account",
             metadata={"name": SERVICE_ACCOUNT, "namespace": self.name, "labels": app_labels("server"),
-                      # Workload identity (IRSA, GKE) for the weight pull instead of static keys.
-                      "annotations": dict(spec.service_account_annotations)},
+                      "annotations": dict(args.service_account_annotations)},
             automount_service_account_token=False,
             opts=child,
         )

@@ -15,17 +15,15 @@ from typing import Any
 import pulumi
 import pulumi_kubernetes as k8s
 
-from infra.alerts import AlertRule, alert_rules
+from infra.alerts import AlertRule
 from infra.components.kubernetes.common import (
     HTTP_PORT_NAME,
     METRICS_KEY_SECRET_KEY,
     SLOT_LABEL,
     app_labels,
-    kubernetes_spec,
     server_selector,
 )
 from infra.components.kubernetes.dashboard import serving_dashboard
-from infra.config import StackConfig
 
 MONITORING_API = "monitoring.coreos.com/v1"
 DASHBOARD_FILE = "specdeploy-serving.json"
@@ -34,8 +32,12 @@ SCRAPE_INTERVAL = "15s"
 
 @dataclass(frozen=True)
 class ServingObservabilityArgs:
-    config: StackConfig  # alerting thresholds, kubernetes (Prometheus release label), service
-    namespace: pulumi.Input[str]
+    namespace: pulumi.Input[str]  # where the rule, monitor and dashboard go
+    server_namespace: str  # the namespace whose Services the ServiceMonitor scrapes (kubernetes.namespace)
+    rules: list[AlertRule]  # infra.alerts.alert_rules of the stack
+    runbook_base_url: str
+    prometheus_release: str  # kube-prometheus-stack's Helm release: its rule and monitor selector
+    metrics_key_secret: str | None  # Secret with the scrape key when /metrics needs auth; None: open
 
 
 def prometheus_rule(rule: AlertRule, runbook_base_url: str) -> dict[str, Any]:
@@ -70,12 +72,10 @@ class ServingObservability(pulumi.ComponentResource):
                  opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("specdeploy:kubernetes:ServingObservability", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
-        config = args.config
-        spec = kubernetes_spec(config)
         # kube-prometheus-stack selects rules and monitors by its Helm release label.
-        selected = {**app_labels("monitoring"), "release": spec.prometheus_release}
+        selected = {**app_labels("monitoring"), "release": args.prometheus_release}
 
-        rules = [prometheus_rule(rule, config.alerting.runbook_base_url) for rule in alert_rules(config)]
+        rules = [prometheus_rule(rule, args.runbook_base_url) for rule in args.rules]
         self.rule = k8s.apiextensions.CustomResource(
             f"{name}-rules",
             api_version=MONITORING_API,
@@ -92,11 +92,11 @@ class ServingObservability(pulumi.ComponentResource):
             "scrapeTimeout": "10s",
             "relabelings": [_slot_relabeling()],
         }
-        if config.service.metrics_require_auth:
+        if args.metrics_key_secret is not None:
             # A key that is also listed in the api-keys file; Prometheus reads it from the same Secret.
             endpoint["authorization"] = {
                 "type": "Bearer",
-                "credentials": {"name": spec.api_key_secret, "key": METRICS_KEY_SECRET_KEY},
+                "credentials": {"name": args.metrics_key_secret, "key": METRICS_KEY_SECRET_KEY},
             }
         self.service_monitor = k8s.apiextensions.CustomResource(
             f"{name}-service-monitor",
@@ -105,7 +105,7 @@ class ServingObservability(pulumi.ComponentResource):
             metadata={"name": "specdeploy", "namespace": args.namespace, "labels": selected},
             spec={
                 "selector": {"matchLabels": server_selector()},
-                "namespaceSelector": {"matchNames": [spec.namespace]},
+                "namespaceSelector": {"matchNames": [args.server_namespace]},
                 "endpoints": [endpoint],
             },
             opts=child,

@@ -24,15 +24,12 @@ from infra.components.kubernetes.common import (
     SECRETS_DIR,
     SERVER_CONFIG_FILE,
     cache_dir,
-    kubernetes_spec,
     metadata_name,
     server_selector,
     slot_labels,
     slot_object_name,
-    startup_budget_s,
-    termination_grace_s,
 )
-from infra.config import MODEL_CACHE_DIR, KubernetesSpec, SlotSpec, StackConfig, render_server_config
+from infra.config import MODEL_CACHE_DIR, KubernetesSpec
 
 # The image's non-root user (serving/Dockerfile); any non-zero uid works with the volumes below.
 RUN_AS_USER = 10001
@@ -44,8 +41,14 @@ PULL_ALLOWANCE_S = 600
 @dataclass(frozen=True)
 class ReleaseSlotArgs:
     slot: str  # "blue" or "green"
-    spec: SlotSpec  # image and model version(s) of this slot
-    config: StackConfig  # the whole stack (server config, service, kubernetes sections)
+    image: str
+    model_version: str  # weights URI of the target model, pulled into cache_dir(model_version)
+    draft_version: str | None  # weights URI of the draft model; None when the stack serves none
+    server_config_yaml: str  # the server's config file; its model paths are the cache_dir of each version
+    port: int  # service.port
+    pod: KubernetesSpec  # resources, scheduling, weight cache volume, Secrets, baseline replicas
+    startup_budget_s: int  # weight load + warm-up the startup probe allows
+    termination_grace_s: int  # preStop delay + the server's drain grace + slack
     namespace: pulumi.Input[str]
     service_account_name: pulumi.Input[str]
 
@@ -274,40 +277,25 @@ class ReleaseSlot(pulumi.ComponentResource):
     def __init__(self, name: str, args: ReleaseSlotArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("specdeploy:kubernetes:ReleaseSlot", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
-        config, slot = args.config, args.slot
-        spec = kubernetes_spec(config)
-        use_draft = config.uses_draft_model
+        slot, spec = args.slot, args.pod
+        meta = _Meta(name, slot_object_name(slot), args.namespace, slot_labels(slot))
 
-        object_name = slot_object_name(slot)
-        labels = slot_labels(slot)
-        target_dir = cache_dir(args.spec.model_version)
-        draft_dir = cache_dir(args.spec.draft_version) if use_draft and args.spec.draft_version else None
-        server_yaml = render_server_config(
-            config,
-            model_path=target_dir,
-            draft_path=draft_dir,
-            api_keys_file=f"{SECRETS_DIR}/{API_KEYS_SECRET_KEY}",
-        ).to_yaml()
-        meta = _Meta(name, object_name, args.namespace, labels)
-
-        self.config_map = _config_map(meta, server_yaml, child)
+        self.config_map = _config_map(meta, args.server_config_yaml, child)
         self.cache_claim = _cache_claim(meta, spec, child) if spec.weight_cache == "pvc" else None
 
         security_context = _container_security_context()
-        init_containers = [_pull("pull-target", args.spec.image, args.spec.model_version, target_dir, spec,
+        init_containers = [_pull("pull-target", args.image, args.model_version, cache_dir(args.model_version), spec,
                                  security_context)]
-        if draft_dir and args.spec.draft_version:
-            init_containers.append(
-                _pull("pull-draft", args.spec.image, args.spec.draft_version, draft_dir, spec, security_context)
-            )
-        startup_budget = startup_budget_s(config)
-        server = _server_container(args.spec.image, config.service.port, spec, startup_budget, security_context)
+        if args.draft_version:
+            init_containers.append(_pull("pull-draft", args.image, args.draft_version, cache_dir(args.draft_version),
+                                         spec, security_context))
+        server = _server_container(args.image, args.port, spec, args.startup_budget_s, security_context)
         pod_spec = _pod_spec(slot, spec, args.service_account_name, metadata_name(self.config_map),
-                             init_containers, server, termination_grace_s(config))
-        self.deployment = _deployment(meta, slot, spec.min_replicas, pod_spec, startup_budget + PULL_ALLOWANCE_S,
-                                      parent=self)
+                             init_containers, server, args.termination_grace_s)
+        self.deployment = _deployment(meta, slot, spec.min_replicas, pod_spec,
+                                      args.startup_budget_s + PULL_ALLOWANCE_S, parent=self)
         self.deployment_name = metadata_name(self.deployment)
-        self.service = _service(meta, slot, config.service.port, child)
+        self.service = _service(meta, slot, args.port, child)
         self.service_name = metadata_name(self.service)
 
         self.register_outputs({"deployment_name": self.deployment_name, "service_name": self.service_name})

@@ -15,54 +15,63 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_kubernetes as k8s
 
-from infra.components.kubernetes.common import HTTP_PORT_NAME, SLOT_LABEL, app_labels, kubernetes_spec
-from infra.config import OPEN_CIDRS, StackConfig
+from infra.components.kubernetes.common import HTTP_PORT_NAME, SLOT_LABEL, app_labels
+from infra.config import OPEN_CIDRS, ReleaseSpec
 
 NGINX = "nginx.ingress.kubernetes.io"
 CANARY_WEIGHT_ANNOTATION = f"{NGINX}/canary-weight"
 
 
 @dataclass(frozen=True)
-class WeightedRoutingArgs:
-    config: StackConfig  # access (domain, CIDRs), release (active slot, canary weight), kubernetes
-    namespace: pulumi.Input[str]
-    slot_services: dict[str, pulumi.Input[str]]  # slot name -> its Service name
-
-
-@dataclass(frozen=True)
 class TrafficSplit:
-    """Which Service takes the traffic and how much goes to the idle slot's."""
+    """Which Service takes the traffic and how much goes to the idle slot's; both routing modes take it."""
 
     active_service: pulumi.Input[str]
     idle_service: pulumi.Input[str] | None  # None while the stack defines one slot
     canary_weight: int  # percent on the idle slot; 0 without one
+    idle_slot: str | None = None  # the slot behind idle_service
 
 
-def traffic_split(config: StackConfig, slot_services: dict[str, pulumi.Input[str]]) -> TrafficSplit:
-    """The release section applied to the slots that have a Service; shared by both routing modes."""
-    release = config.slots
+def traffic_split(release: ReleaseSpec, slot_services: dict[str, pulumi.Input[str]]) -> TrafficSplit:
+    """The release section applied to the slots that have a Service (slot name -> Service name)."""
     if release.active not in slot_services:
         raise ValueError(f"release.active is {release.active!r} but that slot has no Service")
     idle = release.idle_slot
     idle_service = slot_services.get(idle) if idle else None
     if release.canary_weight and idle_service is None:
         raise ValueError("release.canary_weight > 0 needs both slots defined")
-    weight = release.canary_weight if idle_service is not None else 0
-    return TrafficSplit(slot_services[release.active], idle_service, weight)
+    if idle_service is None:
+        return TrafficSplit(slot_services[release.active], None, 0)
+    return TrafficSplit(slot_services[release.active], idle_service, release.canary_weight, idle)
 
 
-def _primary_annotations(config: StackConfig) -> dict[str, str]:
-    timeout = str(int(config.scheduler.request_timeout_s) + 30)
+def proxy_timeout_s(request_timeout_s: float) -> int:
+    """The proxy's request timeout: above the server's own, which answers 504 itself."""
+    return int(request_timeout_s) + 30
+
+
+@dataclass(frozen=True)
+class WeightedRoutingArgs:
+    namespace: pulumi.Input[str]
+    split: TrafficSplit  # the Services of the active and idle slots and the canary weight
+    host: str | None  # access.domain; None routes every host
+    ingress_class: str
+    tls_secret: str | None  # Secret with the certificate; None serves plain HTTP
+    allowed_cidrs: list[str]  # source allow-list (access.allowed_cidrs); not rendered when open to the world
+    request_timeout_s: float  # the server's scheduler.request_timeout_s
+
+
+def _primary_annotations(args: WeightedRoutingArgs) -> dict[str, str]:
+    timeout = str(proxy_timeout_s(args.request_timeout_s))
     annotations = {
         # Streamed completions (SSE) must reach the client token by token.
         f"{NGINX}/proxy-buffering": "off",
         f"{NGINX}/proxy-read-timeout": timeout,
         f"{NGINX}/proxy-send-timeout": timeout,
     }
-    cidrs = config.access.allowed_cidrs
-    if not OPEN_CIDRS & set(cidrs):
-        annotations[f"{NGINX}/whitelist-source-range"] = ",".join(cidrs)
-    if config.kubernetes and config.kubernetes.tls_secret:
+    if not OPEN_CIDRS & set(args.allowed_cidrs):
+        annotations[f"{NGINX}/whitelist-source-range"] = ",".join(args.allowed_cidrs)
+    if args.tls_secret:
         annotations[f"{NGINX}/ssl-redirect"] = "true"
     return annotations
 
@@ -78,10 +87,8 @@ class WeightedRouting(pulumi.ComponentResource):
     def __init__(self, name: str, args: WeightedRoutingArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("specdeploy:kubernetes:WeightedRouting", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
-        config = args.config
-        spec = kubernetes_spec(config)
-        split = traffic_split(config, args.slot_services)
-        self.host = config.access.domain
+        split = args.split
+        self.host = args.host
         self.canary_weight = split.canary_weight
 
         def ingress_spec(service: pulumi.Input[str]) -> k8s.networking.v1.IngressSpecArgsDict:
@@ -92,9 +99,10 @@ class WeightedRouting(pulumi.ComponentResource):
             }]}}
             if self.host:
                 rule["host"] = self.host
-            result: k8s.networking.v1.IngressSpecArgsDict = {"ingress_class_name": spec.ingress_class, "rules": [rule]}
-            if spec.tls_secret:
-                tls: k8s.networking.v1.IngressTLSArgsDict = {"secret_name": spec.tls_secret}
+            result: k8s.networking.v1.IngressSpecArgsDict = {"ingress_class_name": args.ingress_class,
+                                                              "rules": [rule]}
+            if args.tls_secret:
+                tls: k8s.networking.v1.IngressTLSArgsDict = {"secret_name": args.tls_secret}
                 if self.host:
                     tls["hosts"] = [self.host]
                 result["tls"] = [tls]
@@ -106,7 +114,7 @@ class WeightedRouting(pulumi.ComponentResource):
                 "name": "specdeploy",
                 "namespace": args.namespace,
                 "labels": app_labels("routing"),
-                "annotations": _primary_annotations(config),
+                "annotations": _primary_annotations(args),
             },
             spec=ingress_spec(split.active_service),
             opts=child,
@@ -119,7 +127,7 @@ class WeightedRouting(pulumi.ComponentResource):
                 metadata={
                     "name": "specdeploy-canary",
                     "namespace": args.namespace,
-                    "labels": {**app_labels("routing"), SLOT_LABEL: str(config.slots.idle_slot)},
+                    "labels": {**app_labels("routing"), SLOT_LABEL: str(split.idle_slot)},
                     "annotations": {
                         f"{NGINX}/canary": "true",
                         CANARY_WEIGHT_ANNOTATION: str(self.canary_weight),

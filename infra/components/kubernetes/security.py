@@ -16,20 +16,20 @@ import pulumi_kubernetes as k8s
 
 from infra.components.kubernetes.common import (
     app_labels,
-    kubernetes_spec,
     metadata_name,
     server_selector,
     slot_labels,
     slot_object_name,
 )
-from infra.config import StackConfig
 
 
 @dataclass(frozen=True)
 class ServingGuardsArgs:
-    config: StackConfig  # kubernetes (namespaces of ingress and Prometheus), service (port)
     namespace: pulumi.Input[str]
     slots: list[str]  # the slots that have a Deployment
+    port: int  # the server port (service.port), the only one admitted
+    ingress_namespace: str  # where the ingress controller or gateway proxy pods run
+    prometheus_namespace: str  # where Prometheus scrapes from
 
 
 def _from_namespace(namespace: str) -> k8s.networking.v1.NetworkPolicyPeerArgsDict:
@@ -47,10 +47,7 @@ class ServingGuards(pulumi.ComponentResource):
     def __init__(self, name: str, args: ServingGuardsArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("specdeploy:kubernetes:ServingGuards", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
-        spec = kubernetes_spec(args.config)
-        port: list[k8s.networking.v1.NetworkPolicyPortArgsDict] = [
-            {"protocol": "TCP", "port": args.config.service.port}
-        ]
+        port: list[k8s.networking.v1.NetworkPolicyPortArgsDict] = [{"protocol": "TCP", "port": args.port}]
 
         self.network_policy = k8s.networking.v1.NetworkPolicy(
             f"{name}-network-policy",
@@ -59,8 +56,8 @@ class ServingGuards(pulumi.ComponentResource):
                 "pod_selector": {"match_labels": server_selector()},
                 "policy_types": ["Ingress"],
                 "ingress": [
-                    {"from_": [_from_namespace(spec.ingress_namespace)], "ports": port},
-                    {"from_": [_from_namespace(spec.prometheus_namespace)], "ports": port},
+                    {"from_": [_from_namespace(args.ingress_namespace)], "ports": port},
+                    {"from_": [_from_namespace(args.prometheus_namespace)], "ports": port},
                 ],
             },
             opts=child,
