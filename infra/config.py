@@ -114,8 +114,9 @@ class FleetSpec(StrictModel):
         default_factory=list, description="Known peaks: cron schedules raising min_size."
     )
     nvidia_driver_min: str | None = Field(None, description="Minimum driver version checked at boot.")
-    image_repository: str = Field(
-        "specdeploy-server", max_length=256, pattern=_ECR_REPOSITORY, description="ECR repository name for the image."
+    image_repository: str | None = Field(
+        None, max_length=256, pattern=_ECR_REPOSITORY,
+        description="ECR repository name for the image; default specdeploy-<stack> (one per stack and account).",
     )
 
     @model_validator(mode="after")
@@ -375,6 +376,12 @@ class StackConfig(StrictModel):
             )
 
     @property
+    def serves_on_gpu(self) -> bool:
+        """AWS fleets and Kubernetes pods with GPUs: the server must run on CUDA (`model.device: cuda`)."""
+        k8s = self.kubernetes
+        return self.platform == "aws" or (self.platform == "kubernetes" and k8s is not None and k8s.gpus_per_pod > 0)
+
+    @property
     def uses_draft_model(self) -> bool:
         """Speculation on, by a draft model, and one is configured: the draft is pulled, planned for, served."""
         return self.speculative.uses_draft_model and self.draft is not None
@@ -597,6 +604,8 @@ def render_server_config(
         "model": {
             "path": model_path,
             "dtype": config.model.dtype,
+            # GPU platforms serve on CUDA or not at all: a CPU fallback would pass /ready and serve 100x slower.
+            "device": "cuda" if config.serves_on_gpu else "auto",
             "max_memory_utilization": config.service.max_memory_utilization,
             "kv_cache_bytes": kv_cache_bytes,
         },

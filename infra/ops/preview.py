@@ -39,6 +39,7 @@ class RecordedResource:
     secret_paths: tuple[str, ...] = ()  # dotted input paths that arrived marked secret
     outputs: dict[str, Any] = field(default_factory=dict)  # state the mocks answered (ids, ARNs, names)
     depends_on: tuple[str, ...] = ()  # logical names of the resources this one waits for
+    ignore_changes: tuple[str, ...] = ()  # inputs Pulumi leaves alone after creation (owned by AWS)
 
 
 @dataclass
@@ -127,7 +128,8 @@ def _monitor_class() -> Any:
                     parent = ""
                 depends = tuple(sorted({urn.rsplit("::", 1)[-1] for urn in request.dependencies}))
                 self.records.append(RecordedResource(request.type, request.name, parent, inputs,
-                                                     bool(request.custom), tuple(paths), outputs, depends))
+                                                     bool(request.custom), tuple(paths), outputs, depends,
+                                                     tuple(request.ignoreChanges)))
             return response
 
     return RecordingMonitor

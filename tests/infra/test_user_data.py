@@ -114,7 +114,8 @@ def test_server_config_is_rendered_from_the_stack(stack: str, aws_stack: StackFn
 
 def test_script_checks_the_driver_and_the_gpu_in_the_container() -> None:
     script = render_user_data(replace(SPEC, driver_min="550.54.15"))
-    assert "nvidia-smi --query-gpu" in script and "--gpus all --entrypoint nvidia-smi" in script
+    assert "nvidia-smi --query-gpu" in script and "--gpus all --entrypoint python" in script
+    assert "torch.cuda.is_available()" in script  # torch in the image, not only nvidia-smi, must see the GPU
     assert "DRIVER_MIN=550.54.15" in script
 
 

@@ -42,6 +42,7 @@ class AlertingArgs:
     asg_names: dict[str, pulumi.Input[str]]  # slot -> autoscaling group (defined slots only)
     emails: list[str] = field(default_factory=list)
     https_endpoints: list[str] = field(default_factory=list)
+    actions_enabled: bool = True  # off while bootstrapping: a fleet at zero is expected, not an incident
 
     def __post_init__(self) -> None:
         if self.active_slot not in self.asg_names:
@@ -146,6 +147,7 @@ class Alerting(pulumi.ComponentResource):
             datapoints_to_alarm=rule.for_minutes,
             metric_queries=cast(list[aws.cloudwatch.MetricAlarmMetricQueryArgsDict], queries),
             treat_missing_data=missing,
+            actions_enabled=args.actions_enabled,
             alarm_actions=[topic.arn],
             ok_actions=[topic.arn],
             tags=tags(f"{args.stack}-{rule.name}", severity=rule.severity,

@@ -69,13 +69,21 @@ def secure_bucket(
     builds further policy statements from the bucket's ARN.
     """
     bucket = aws.s3.Bucket(name, bucket=bucket_name, force_destroy=False, tags=tags(name), opts=child(parent))
+    public_block = _block_public_access(name, parent, bucket)
+    _encrypt(name, parent, bucket, sse_algorithm)
+    _version_and_expire(name, parent, bucket, noncurrent_days, expire_current_days)
+    policy = _tls_only_policy(name, parent, bucket, public_block, extra_statements)
+    return SecureBucket(bucket, policy)
+
+
+def _block_public_access(name: str, parent: pulumi.Resource, bucket: aws.s3.Bucket) -> aws.s3.BucketPublicAccessBlock:
     aws.s3.BucketOwnershipControls(
         f"{name}-ownership",
         bucket=bucket.id,
         rule={"object_ownership": "BucketOwnerEnforced"},  # ACLs off: the policy alone grants access
         opts=child(parent),
     )
-    public_block = aws.s3.BucketPublicAccessBlock(
+    return aws.s3.BucketPublicAccessBlock(
         f"{name}-public-access",
         bucket=bucket.id,
         block_public_acls=True,
@@ -84,6 +92,9 @@ def secure_bucket(
         restrict_public_buckets=True,
         opts=child(parent),
     )
+
+
+def _encrypt(name: str, parent: pulumi.Resource, bucket: aws.s3.Bucket, sse_algorithm: str) -> None:
     aws.s3.BucketServerSideEncryptionConfiguration(
         f"{name}-encryption",
         bucket=bucket.id,
@@ -93,6 +104,10 @@ def secure_bucket(
         }],
         opts=child(parent),
     )
+
+
+def _version_and_expire(name: str, parent: pulumi.Resource, bucket: aws.s3.Bucket, noncurrent_days: int,
+                        expire_current_days: int | None) -> None:
     versioning = aws.s3.BucketVersioning(
         f"{name}-versioning",
         bucket=bucket.id,
@@ -112,15 +127,23 @@ def secure_bucket(
     aws.s3.BucketLifecycleConfiguration(
         f"{name}-lifecycle", bucket=bucket.id, rules=rules, opts=child(parent, depends_on=[versioning])
     )
+
+
+def _tls_only_policy(
+    name: str,
+    parent: pulumi.Resource,
+    bucket: aws.s3.Bucket,
+    public_block: aws.s3.BucketPublicAccessBlock,
+    extra_statements: Callable[[pulumi.Output[str]], pulumi.Input[list[dict[str, Any]]]] | None,
+) -> aws.s3.BucketPolicy:
     extra = extra_statements(bucket.arn) if extra_statements else []
     statements = pulumi.Output.all(bucket.arn, extra).apply(
         lambda args: policy_document([tls_only_statement(args[0]), *args[1]])
     )
-    policy = aws.s3.BucketPolicy(
+    return aws.s3.BucketPolicy(
         f"{name}-policy",
         bucket=bucket.id,
         policy=statements,
         # A policy put before the public access block exists could briefly allow too much.
         opts=child(parent, depends_on=[public_block]),
     )
-    return SecureBucket(bucket, policy)

@@ -8,19 +8,27 @@ slot's target group with ELB health checks and a grace period covering weight
 pull, load and warm-up. Scaling tracks the server's waiting requests per instance
 (`specdeploy_requests_waiting`, published by the CloudWatch agent), never below
 the baseline `fleet.min_size`; schedules raise the baseline for known peaks.
+
+Instances join the target group only once they are ready: a launch lifecycle hook
+holds each new instance in Pending:Wait until its user-data sees `/ready` and
+completes the hook (or abandons it on a failed boot), so a booting instance is never
+an unhealthy target and normal scale-outs, refreshes and blue/green bring-ups page
+nobody. The autoscaler owns the running size: Pulumi sets `desired_capacity` at
+creation and ignores it afterwards. During bootstrap (image or weights not pushed
+yet) the group is created at zero instances.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pulumi
 import pulumi_aws as aws
 
 from infra.components.aws.common import ASG_DIMENSION, METRIC_NAMESPACE, child, policy_document, tags
 from infra.components.aws.model_store import split_s3_uri
-from infra.components.aws.user_data import UserDataSpec, encode_user_data, render_user_data
+from infra.components.aws.user_data import LAUNCH_HOOK, UserDataSpec, encode_user_data, render_user_data
 from infra.config import FleetSpec
 from serving import metric_names as m
 
@@ -45,6 +53,12 @@ class GpuFleetArgs:
     secret_arn: pulumi.Input[str]
     spot_alternatives: list[str] = field(default_factory=list)  # other types that fit, for spot pools
     log_retention_days: int = 30
+    bootstrap: bool = False  # image or weights not pushed yet: the group exists with zero instances
+
+    @property
+    def launch_hook_timeout_s(self) -> int:
+        # Pending:Wait lasts until user-data completes the hook after /ready; past this the launch is abandoned.
+        return self.fleet.warmup_s + 300
 
     @property
     def slot(self) -> str:
@@ -141,7 +155,9 @@ class GpuFleet(pulumi.ComponentResource):
                 {"Sid": "WriteLogs", "Effect": "Allow",
                  "Action": ["logs:CreateLogStream", "logs:PutLogEvents", "logs:DescribeLogStreams"],
                  "Resource": [arn for group in log_group_arns for arn in (group, f"{group}:*")]},
-                {"Sid": "ReadOwnTags", "Effect": "Allow", "Action": "ec2:DescribeTags", "Resource": "*"},
+                {"Sid": "CompleteLaunchHook", "Effect": "Allow", "Action": "autoscaling:CompleteLifecycleAction",
+                 "Resource": "*", "Condition": {"StringEquals": {"autoscaling:ResourceTag/stack": args.stack,
+                                                                 "autoscaling:ResourceTag/slot": args.slot}}},
             ])
 
         aws.iam.RolePolicy(
@@ -212,7 +228,9 @@ class GpuFleet(pulumi.ComponentResource):
                         "delete_on_termination": "true"},
             }],
             monitoring={"enabled": True},
-            user_data=encode_user_data(render_user_data(args.boot)),
+            # The secret's ARN (its name carries a random suffix) is known once the secret exists.
+            user_data=pulumi.Output.from_input(args.secret_arn).apply(
+                lambda arn: encode_user_data(render_user_data(replace(args.boot, secret_id=arn)))),
             update_default_version=True,
             tag_specifications=[{"resource_type": "instance", "tags": instance_tags},
                                 {"resource_type": "volume", "tags": instance_tags}],
@@ -250,12 +268,13 @@ class GpuFleet(pulumi.ComponentResource):
             {"key": k, "value": v, "propagate_at_launch": True}
             for k, v in sorted(tags(f"{name}-server", slot=args.slot, stack=args.stack).items())
         ]
+        min_size, max_size, desired = fleet_sizes(args)
         return aws.autoscaling.Group(
             f"{name}-asg",
             vpc_zone_identifiers=args.subnet_ids,
-            min_size=fleet.min_size,
-            max_size=fleet.max_size,
-            desired_capacity=fleet.desired_capacity if fleet.desired_capacity is not None else fleet.min_size,
+            min_size=min_size,
+            max_size=max_size,
+            desired_capacity=desired,
             launch_template=None if mixed else spec,
             mixed_instances_policy=mixed,
             capacity_rebalance=fleet.capacity_type != "on-demand",
@@ -267,8 +286,15 @@ class GpuFleet(pulumi.ComponentResource):
             enabled_metrics=[metric.GROUP_DESIRED_CAPACITY, metric.GROUP_IN_SERVICE_INSTANCES,
                              metric.GROUP_PENDING_INSTANCES, metric.GROUP_MIN_SIZE, metric.GROUP_MAX_SIZE],
             instance_refresh=refresh,
+            initial_lifecycle_hooks=[{
+                "name": LAUNCH_HOOK,
+                "lifecycle_transition": "autoscaling:EC2_INSTANCE_LAUNCHING",
+                "heartbeat_timeout": args.launch_hook_timeout_s,
+                "default_result": "ABANDON",  # a boot that never completes the hook is replaced, never served
+            }],
             tags=group_tags,
-            opts=child(self),
+            # Target tracking and schedules own the running size: `pulumi up --refresh` must not reset it.
+            opts=child(self, ignore_changes=["desiredCapacity"]),
         )
 
     def _scaling(self, name: str, args: GpuFleetArgs, asg: aws.autoscaling.Group) -> None:
@@ -289,7 +315,7 @@ class GpuFleet(pulumi.ComponentResource):
             },
             opts=child(self),
         )
-        for schedule in fleet.scale_schedules:
+        for schedule in [] if args.bootstrap else fleet.scale_schedules:
             aws.autoscaling.Schedule(
                 f"{name}-{schedule.name}",
                 autoscaling_group_name=asg.name,
@@ -300,3 +326,12 @@ class GpuFleet(pulumi.ComponentResource):
                 max_size=fleet.max_size,
                 opts=child(self),
             )
+
+
+def fleet_sizes(args: GpuFleetArgs) -> tuple[int, int, int]:
+    """(min, max, desired) of the group: all zero while bootstrapping, so no instance starts without its image."""
+    fleet = args.fleet
+    if args.bootstrap:
+        return 0, 0, 0
+    desired = fleet.desired_capacity if fleet.desired_capacity is not None else fleet.min_size
+    return fleet.min_size, fleet.max_size, desired

@@ -23,6 +23,8 @@ from infra.config import SLOTS
 
 TLS_POLICY = "ELBSecurityPolicy-TLS13-1-2-2021-06"
 READY_PATH = "/ready"
+# Paths for operators and the load balancer, never for internet clients (an ALB condition takes at most 5 values).
+INTERNAL_PATHS = ("/metrics", "/metrics/*", "/health", "/ready")
 
 
 @dataclass(frozen=True)
@@ -77,63 +79,19 @@ class LoadBalancer(pulumi.ComponentResource):
     def __init__(self, name: str, args: LoadBalancerArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("specdeploy:aws:LoadBalancer", name, None, opts)
         logs = self._log_bucket(name, args)
-        log_bucket = logs.bucket
-        listen_ports = [443, 80] if args.tls else [80]
-        sg = aws.ec2.SecurityGroup(
-            f"{name}-sg",
-            vpc_id=args.vpc_id,
-            description=f"{'Public' if args.public else 'Internal'} ALB: clients on {listen_ports}",
-            ingress=[{"protocol": "tcp", "from_port": port, "to_port": port, "cidr_blocks": list(args.allowed_cidrs),
-                      "description": "clients" if port != 80 or not args.tls else "clients (redirect to HTTPS)"}
-                     for port in listen_ports],
-            # Egress to the instances is added by each fleet, pointing at its own security group.
-            tags=tags(f"{name}-sg"),
-            opts=child(self),
-        )
-        alb = aws.lb.LoadBalancer(
-            f"{name}-alb",
-            load_balancer_type="application",
-            internal=not args.public,
-            subnets=args.subnet_ids,
-            security_groups=[sg.id],
-            idle_timeout=args.idle_timeout_s,
-            drop_invalid_header_fields=True,
-            enable_http2=True,
-            access_logs={"bucket": log_bucket.bucket, "prefix": "alb", "enabled": True},
-            tags=tags(f"{name}-alb"),
-            # The ALB checks at creation that it may write its logs: the bucket policy must exist first.
-            opts=child(self, depends_on=[logs.policy]),
-        )
+        sg = self._security_group(name, args)
+        alb = self._alb(name, args, sg, logs)
         groups: dict[str, aws.lb.TargetGroup] = {slot: self._target_group(name, slot, args) for slot in SLOTS}
-        forward: aws.lb.ListenerDefaultActionArgsDict = {
-            "type": "forward",
-            "forward": {"target_groups": [{"arn": groups[slot].arn, "weight": weight}
-                                          for slot, weight in sorted(args.weights().items())]},
-        }
-        if args.tls:
-            listener = aws.lb.Listener(
-                f"{name}-https", load_balancer_arn=alb.arn, port=443, protocol="HTTPS", ssl_policy=TLS_POLICY,
-                certificate_arn=args.certificate_arn, default_actions=[forward], opts=child(self),
-            )
-            aws.lb.Listener(
-                f"{name}-http-redirect", load_balancer_arn=alb.arn, port=80, protocol="HTTP",
-                default_actions=[{"type": "redirect",
-                                  "redirect": {"protocol": "HTTPS", "port": "443", "status_code": "HTTP_301"}}],
-                opts=child(self),
-            )
-        else:
-            listener = aws.lb.Listener(
-                f"{name}-http", load_balancer_arn=alb.arn, port=80, protocol="HTTP", default_actions=[forward],
-                opts=child(self),
-            )
+        listener = self._listeners(name, args, alb, groups)
+        if args.public:
+            self._hide_internal_paths(name, listener)
         scheme = "https" if args.tls else "http"
         self.dns_name = alb.dns_name
-        self.endpoint = pulumi.Output.concat(f"{scheme}://", args.domain) if args.domain else \
-            pulumi.Output.concat(f"{scheme}://", alb.dns_name)
+        self.endpoint = pulumi.Output.concat(f"{scheme}://", args.domain or alb.dns_name)
         self.arn_suffix = alb.arn_suffix
         self.security_group_id = sg.id
         self.listener_arn = listener.arn
-        self.log_bucket_name = log_bucket.bucket
+        self.log_bucket_name = logs.bucket.bucket
         self.target_group_arns = {slot: tg.arn for slot, tg in groups.items()}
         self.target_group_arn_suffixes = {slot: tg.arn_suffix for slot, tg in groups.items()}
         self.register_outputs({
@@ -145,6 +103,74 @@ class LoadBalancer(pulumi.ComponentResource):
             "log_bucket_name": self.log_bucket_name,
             "target_group_arns": self.target_group_arns,
         })
+
+    def _security_group(self, name: str, args: LoadBalancerArgs) -> aws.ec2.SecurityGroup:
+        listen_ports = [443, 80] if args.tls else [80]
+        return aws.ec2.SecurityGroup(
+            f"{name}-sg",
+            vpc_id=args.vpc_id,
+            description=f"{'Public' if args.public else 'Internal'} ALB: clients on {listen_ports}",
+            ingress=[{"protocol": "tcp", "from_port": port, "to_port": port, "cidr_blocks": list(args.allowed_cidrs),
+                      "description": "clients" if port != 80 or not args.tls else "clients (redirect to HTTPS)"}
+                     for port in listen_ports],
+            # Egress to the instances is added by each fleet, pointing at its own security group.
+            tags=tags(f"{name}-sg"),
+            opts=child(self),
+        )
+
+    def _alb(self, name: str, args: LoadBalancerArgs, sg: aws.ec2.SecurityGroup,
+             logs: SecureBucket) -> aws.lb.LoadBalancer:
+        return aws.lb.LoadBalancer(
+            f"{name}-alb",
+            load_balancer_type="application",
+            internal=not args.public,
+            subnets=args.subnet_ids,
+            security_groups=[sg.id],
+            idle_timeout=args.idle_timeout_s,
+            drop_invalid_header_fields=True,
+            enable_http2=True,
+            access_logs={"bucket": logs.bucket.bucket, "prefix": "alb", "enabled": True},
+            tags=tags(f"{name}-alb"),
+            # The ALB checks at creation that it may write its logs: the bucket policy must exist first.
+            opts=child(self, depends_on=[logs.policy]),
+        )
+
+    def _listeners(self, name: str, args: LoadBalancerArgs, alb: aws.lb.LoadBalancer,
+                   groups: dict[str, aws.lb.TargetGroup]) -> aws.lb.Listener:
+        """The listener that forwards by weight to the slots (HTTPS when TLS, with an HTTP redirect beside it)."""
+        forward: aws.lb.ListenerDefaultActionArgsDict = {
+            "type": "forward",
+            "forward": {"target_groups": [{"arn": groups[slot].arn, "weight": weight}
+                                          for slot, weight in sorted(args.weights().items())]},
+        }
+        if not args.tls:
+            return aws.lb.Listener(f"{name}-http", load_balancer_arn=alb.arn, port=80, protocol="HTTP",
+                                   default_actions=[forward], opts=child(self))
+        aws.lb.Listener(
+            f"{name}-http-redirect", load_balancer_arn=alb.arn, port=80, protocol="HTTP",
+            default_actions=[{"type": "redirect",
+                              "redirect": {"protocol": "HTTPS", "port": "443", "status_code": "HTTP_301"}}],
+            opts=child(self),
+        )
+        return aws.lb.Listener(
+            f"{name}-https", load_balancer_arn=alb.arn, port=443, protocol="HTTPS", ssl_policy=TLS_POLICY,
+            certificate_arn=args.certificate_arn, default_actions=[forward], opts=child(self),
+        )
+
+    def _hide_internal_paths(self, name: str, listener: aws.lb.Listener) -> aws.lb.ListenerRule:
+        """Answer 404 for /metrics, /health and /ready from the internet; the ALB's own health checks go
+        straight to the targets and never pass through a listener rule."""
+        return aws.lb.ListenerRule(
+            f"{name}-internal-paths",
+            listener_arn=listener.arn,
+            priority=1,
+            conditions=[{"path_pattern": {"values": list(INTERNAL_PATHS)}}],
+            actions=[{"type": "fixed-response",
+                      "fixed_response": {"content_type": "text/plain", "message_body": "not found",
+                                         "status_code": "404"}}],
+            tags=tags(f"{name}-internal-paths"),
+            opts=child(self),
+        )
 
     def _target_group(self, name: str, slot: str, args: LoadBalancerArgs) -> aws.lb.TargetGroup:
         return aws.lb.TargetGroup(

@@ -18,8 +18,9 @@ import pulumi_aws as aws
 from infra.components.aws.common import child, tags
 
 # AWS services an instance talks to during boot and while serving.
+# autoscaling: user-data completes the launch lifecycle hook once the server is ready.
 INTERFACE_ENDPOINTS = ("ecr.api", "ecr.dkr", "secretsmanager", "monitoring", "logs", "ssm", "ssmmessages",
-                       "ec2messages")
+                       "ec2messages", "autoscaling")
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,11 @@ The value comes from the stack's Pulumi secret (`specdeploy:apiKeys`) and stays
 marked secret through every output. Instances read it at boot with their role
 into a root-only file the server mounts; it never appears in user-data, in the
 launch template, or in logs.
+
+The name is a prefix plus a random suffix AWS appends (`name_prefix`): a deleted secret
+keeps its name for the recovery window, so a fixed name would make a destroy and
+re-create within that window fail with "scheduled for deletion". Instances address
+the secret by ARN.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from infra.components.aws.common import child, tags
 
 @dataclass(frozen=True)
 class ApiKeySecretArgs:
-    secret_name: str  # e.g. specdeploy/prod/api-keys
+    name_prefix: str  # e.g. specdeploy/prod/api-keys-; AWS appends a unique suffix
     api_keys: pulumi.Input[str] | None  # `id:key[:rpm]`, comma separated; None: the operator puts the value
     recovery_window_days: int = 7
 
@@ -35,10 +40,10 @@ class ApiKeySecret(pulumi.ComponentResource):
         super().__init__("specdeploy:aws:ApiKeySecret", name, None, opts)
         secret = aws.secretsmanager.Secret(
             f"{name}-secret",
-            name=args.secret_name,
+            name_prefix=args.name_prefix,
             description="specdeploy server API keys (id:key[:rpm], comma separated); read by instances at boot",
             recovery_window_in_days=args.recovery_window_days,
-            tags=tags(args.secret_name),
+            tags=tags(args.name_prefix.rstrip("-")),
             opts=child(self),
         )
         if args.api_keys is None:

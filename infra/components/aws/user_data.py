@@ -24,6 +24,8 @@ from serving import metric_names as m
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 WEIGHTS_PULL = "weights pull"  # subcommand of `specdeploy`, the image's entrypoint for the pull
 CONFIG_DIR = "/etc/specdeploy"
+# Launch lifecycle hook the group holds new instances in until user-data sees /ready (gpu_fleet.py).
+LAUNCH_HOOK = "specdeploy-ready"
 SECRETS_DIR = f"{CONFIG_DIR}/secrets"
 # Gauges the CloudWatch agent publishes from /metrics (histograms go through publish_histograms.py).
 PUBLISHED_GAUGES = (m.WAITING, m.RUNNING, m.READY, m.GPU_MEMORY_USED, m.GPU_MEMORY_TOTAL, m.GPU_UTILIZATION,
@@ -43,7 +45,7 @@ class UserDataSpec:
     draft_dir: str | None
     cache_dir: str
     server_config_yaml: str
-    secret_id: str  # name of the Secrets Manager secret with the API keys
+    secret_id: str  # ARN (or name) of the Secrets Manager secret with the API keys
     log_group: str
     prometheus_log_group: str
     port: int
@@ -144,5 +146,6 @@ def render_user_data(spec: UserDataSpec) -> str:
         metric_namespace=METRIC_NAMESPACE,
         log_group=spec.log_group,
         drain_grace_s=f"{spec.drain_grace_s:g}",
+        launch_hook=LAUNCH_HOOK,
         stop_timeout_s=int(spec.drain_grace_s) + 5,
     )

@@ -30,7 +30,12 @@ def test_images_are_scanned_on_push(stack: str, aws_stack: StackFn) -> None:
 
 @pulumi.runtime.test
 def test_repository_is_named_by_the_fleet_setting(aws_variant: Callable[..., PreviewResult]) -> None:
-    result = aws_variant("prod", fleet={"image_repository": "team-llm/server"})  # not the default
+    image = "123456789012.dkr.ecr.us-east-1.amazonaws.com/team-llm/server@sha256:" + "3" * 64
+    uri = "s3://acme-specdeploy-models-prod/llama-3.1-8b-instruct/2026-11-28"
+    result = aws_variant("prod", fleet={"image_repository": "team-llm/server"},  # not the default
+                         release={"active": "blue", "blue": {
+                             "image": image, "model_version": uri,
+                             "draft_version": "s3://acme-specdeploy-models-prod/llama-3.2-1b-instruct/2026-11-28"}})
     assert result.single(REPO).inputs["name"] == "team-llm/server"
     assert result.exports["image_repository_url"].endswith("/team-llm/server")
 

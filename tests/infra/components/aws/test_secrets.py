@@ -23,9 +23,11 @@ def test_secret_value_arrives_marked_secret(stack: str, aws_stack: StackFn) -> N
 
 @pytest.mark.parametrize("stack", ["dev", "staging", "prod"])
 @pulumi.runtime.test
-def test_secret_is_named_per_stack(stack: str, aws_stack: StackFn) -> None:
+def test_secret_name_is_a_per_stack_prefix_aws_completes(stack: str, aws_stack: StackFn) -> None:
+    # A fixed name stays taken for the recovery window after a destroy; a prefix gets a fresh suffix each time.
     secret = aws_stack(stack).single("aws:secretsmanager/secret:Secret")
-    assert secret.inputs["name"] == f"specdeploy/{stack}/api-keys"
+    assert secret.inputs["namePrefix"] == f"specdeploy/{stack}/api-keys-"
+    assert "name" not in secret.inputs
 
 
 @pulumi.runtime.test
@@ -36,7 +38,7 @@ def test_missing_keys_create_the_secret_without_a_value(aws_variant: Callable[..
 
 def test_recovery_window_is_bounded() -> None:
     with pytest.raises(ValueError, match="recovery_window_days"):
-        ApiKeySecretArgs(secret_name="x", api_keys=None, recovery_window_days=1)
+        ApiKeySecretArgs(name_prefix="x-", api_keys=None, recovery_window_days=1)
 
 
 _built: dict[str, ApiKeySecret] = {}
@@ -46,7 +48,7 @@ _built: dict[str, ApiKeySecret] = {}
 async def test_output_arn_is_not_secret_but_names_the_secret() -> None:
     if "secret" not in _built:
         pulumi.runtime.set_mocks(new_mocks(), project=PROJECT, stack="unit", preview=False)
-        _built["secret"] = ApiKeySecret("api-keys", ApiKeySecretArgs(secret_name="specdeploy/unit/api-keys",
+        _built["secret"] = ApiKeySecret("api-keys", ApiKeySecretArgs(name_prefix="specdeploy/unit/api-keys-",
                                                                      api_keys="ops:key-123"))
     arn = _built["secret"].secret_arn
     assert not await arn.is_secret()
