@@ -16,9 +16,11 @@ import time
 from collections.abc import AsyncIterator
 from types import FrameType
 
-from fastapi import Depends, FastAPI
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from serving.api.auth import RateLimiter, authenticate
+from serving.api.connections import ConnectionGuard, ConnectionLimits, protocol_class
 from serving.api.errors import install_error_handlers
 from serving.api.lifecycle import EngineFactory, build_engine, start_serving
 from serving.api.metrics import ServerMetrics
@@ -29,8 +31,11 @@ from serving.api.state import ServerState
 
 logger = logging.getLogger("specdeploy.server")
 
-# After the drain grace period, how long uvicorn may still wait for open connections.
-_CLOSE_CONNECTIONS_S = 3
+# After the drain grace period the running generations are aborted (streams get an error event and a
+# clean end, others a 503 body); this long they have to send it before the process exits.
+_ABORT_FLUSH_S = 0.5
+# Then how long uvicorn may still wait for open connections (an int: uvicorn's setting).
+_CLOSE_CONNECTIONS_S = 0
 
 
 def create_app(settings: Settings, engine_factory: EngineFactory | None = None) -> FastAPI:
@@ -53,9 +58,11 @@ def create_app(settings: Settings, engine_factory: EngineFactory | None = None) 
                   openapi_url=None)
     app.state.server = state
     app.state.rate_limiter = RateLimiter()
+    limits = ConnectionLimits.from_env()
+    app.state.connections = ConnectionGuard(limits)
     install_error_handlers(app)
     app.add_middleware(RequestContextMiddleware, metrics=state.metrics,
-                       max_body_bytes=settings.config.service.max_body_bytes)
+                       max_body_bytes=settings.config.service.max_body_bytes, body_timeout_s=limits.body_timeout_s)
 
     authenticated = [Depends(authenticate)]
     app.include_router(health.router)
@@ -64,7 +71,42 @@ def create_app(settings: Settings, engine_factory: EngineFactory | None = None) 
     app.include_router(models.router, dependencies=authenticated)
     app.include_router(completions.router, dependencies=authenticated)
     app.include_router(chat.router, dependencies=authenticated)
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=authenticated)
+    async def openapi(request: Request) -> JSONResponse:
+        return JSONResponse(openapi_schema(app))
+
     return app
+
+
+def openapi_schema(app: FastAPI) -> dict[str, object]:
+    """FastAPI's schema with the server's real error contract: a 400 in OpenAI's error shape where FastAPI
+    documents a 422 (the server never sends 422)."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    schema = app.openapi()
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components["OpenAIError"] = {
+        "type": "object", "required": ["error"],
+        "properties": {"error": {"type": "object", "required": ["message", "type", "param", "code"], "properties": {
+            "message": {"type": "string"}, "type": {"type": "string"},
+            "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
+    }
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/OpenAIError"}}}}
+    for path in schema.get("paths", {}).values():
+        for operation in path.values():
+            responses = operation.setdefault("responses", {})
+            responses.pop("422", None)
+            if "requestBody" in operation:
+                responses["400"] = {"description": "invalid request", **error}
+                responses["413"] = {"description": "request body too large", **error}
+                responses["429"] = {"description": "queue full or rate limited", **error}
+                responses["503"] = {"description": "not ready, draining or overloaded", **error}
+            responses["401"] = {"description": "missing or invalid API key", **error}
+    app.openapi_schema = schema
+    return schema
 
 
 class DrainingServer:
@@ -75,8 +117,10 @@ class DrainingServer:
 
         self.state: ServerState = app.state.server
         self.grace_s = settings.config.service.drain_grace_s
+        guard: ConnectionGuard = app.state.connections
         config = uvicorn.Config(app, host=settings.config.service.host, port=settings.config.service.port,
-                                log_config=None, access_log=False, timeout_graceful_shutdown=_CLOSE_CONNECTIONS_S)
+                                log_config=None, access_log=False, timeout_graceful_shutdown=_CLOSE_CONNECTIONS_S,
+                                http=protocol_class(guard), h11_max_incomplete_event_size=64 * 1024)
         server = self
 
         class _Server(uvicorn.Server):
@@ -89,6 +133,8 @@ class DrainingServer:
 
         self.server = _Server(config)
         self.deadline: float | None = None
+        self.abort_started: float | None = None
+        self._aborting: asyncio.Future[None] | None = None
 
     def on_signal(self, server: object, sig: int) -> None:
         import uvicorn
@@ -111,8 +157,12 @@ class DrainingServer:
         if self.state.inflight == 0:
             logger.info("drained: exiting")
             server.should_exit = True
-        elif time.monotonic() >= self.deadline:
-            logger.warning("drain grace period over with %d request(s) in flight: exiting", self.state.inflight)
+        elif self.abort_started is None and time.monotonic() >= self.deadline:
+            logger.warning("drain grace period over with %d request(s) in flight: aborting them", self.state.inflight)
+            self.abort_started = time.monotonic()
+            self._aborting = asyncio.ensure_future(self.state.abort_all())
+        elif self.abort_started is not None and time.monotonic() >= self.abort_started + _ABORT_FLUSH_S:
+            logger.warning("exiting with %d request(s) still in flight", self.state.inflight)
             server.should_exit = True
 
     def run(self) -> int:

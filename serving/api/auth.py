@@ -64,7 +64,10 @@ def authenticate(request: Request) -> ApiKeyEntry | None:
     """The router dependency: 401 without a valid key, 429 over the key's rate limit."""
     state = request.app.state.server
     settings: Settings = state.settings
+    guard = getattr(request.app.state, "connections", None)
     if not settings.auth_enabled:
+        if guard is not None:
+            guard.authenticated(request.scope.get("client"))
         return None
     token = _bearer(request)
     if token is None:
@@ -73,6 +76,8 @@ def authenticate(request: Request) -> ApiKeyEntry | None:
     if entry is None:
         raise ApiError(401, "invalid API key", code="invalid_api_key")
     request.scope.setdefault("state", {})["key_id"] = entry.key_id
+    if guard is not None:  # this connection may now outlive the cap on unauthenticated connections
+        guard.authenticated(request.scope.get("client"))
     wait = request.app.state.rate_limiter.acquire(entry)
     if wait > 0:
         raise ApiError(429, f"rate limit of {entry.requests_per_minute} requests/min exceeded for key "

@@ -39,5 +39,9 @@ async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
         raise ClientGone
     finally:
         watcher.cancel()
-        if not task.done():
+        if not task.done():  # we were cancelled: let the work's own cleanup finish before ours runs
             task.cancel()
+            try:
+                await asyncio.shield(task)
+            except BaseException:  # noqa: BLE001 - cancelled work ends in CancelledError or its own error
+                pass

@@ -22,6 +22,7 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
@@ -67,6 +68,31 @@ class BodyTooLarge(Exception):
         self.limit = limit
 
 
+class BodyNotUtf8(Exception):
+    """Raised from the ASGI receive wrapper: the body is not strict UTF-8 (UTF-16, lone surrogates, NUL)."""
+
+
+class BodyReadTimeout(Exception):
+    """Raised from the ASGI receive wrapper when the next part of a body does not arrive in time."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"request body not received within {seconds:g}s")
+
+
+def body_error_response(exc: BaseException) -> JSONResponse | None:
+    """The response for a failure of the receive wrapper, raised directly or wrapped by FastAPI's body
+    parsing (which turns every exception there into a 400 "error parsing the body")."""
+    if isinstance(exc, BodyTooLarge):
+        return JSONResponse(error_body(413, str(exc), code="request_too_large"), status_code=413)
+    if isinstance(exc, BodyNotUtf8):
+        return JSONResponse(error_body(400, f"request body is not valid UTF-8 JSON: {exc}", code="invalid_encoding"),
+                            status_code=400)
+    if isinstance(exc, BodyReadTimeout):
+        return JSONResponse(error_body(408, str(exc), code="body_timeout"), status_code=408,
+                            headers={"connection": "close"})
+    return None
+
+
 def error_body(status: int, message: str, *, code: str | None = None, param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param,
                       "code": code}}
@@ -84,7 +110,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
     param = ".".join(loc) or None
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if first.get("type") in SCHEMA_ERROR_CODES:
-        return message, param, str(first["type"])
+        return message, first.get("ctx", {}).get("param", param), str(first["type"])
+    if first.get("type") == "missing" and param is None:
+        return "request body is missing: send a JSON object", None, "missing_body"
     if first.get("type") == "missing":
         return f"missing required parameter: {param}", param, "missing_required_parameter"
     return f"{param}: {message}" if param else message, param, "invalid_value"
@@ -100,9 +128,13 @@ def install_error_handlers(app: FastAPI) -> None:
         message, param, code = _validation_message(exc)
         return JSONResponse(error_body(400, message, code=code, param=param), status_code=400)
 
-    @app.exception_handler(BodyTooLarge)
-    async def _too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
-        return JSONResponse(error_body(413, str(exc), code="request_too_large"), status_code=413)
+    async def _body_error(request: Request, exc: Exception) -> JSONResponse:
+        response = body_error_response(exc)
+        assert response is not None
+        return response
+
+    for body_exc in (BodyTooLarge, BodyNotUtf8, BodyReadTimeout):
+        app.add_exception_handler(body_exc, _body_error)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -110,6 +142,9 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 404:
             message = f"no route {request.method} {request.url.path}"
         elif exc.status_code == 400:  # FastAPI's "There was an error parsing the body": bad bytes
+            wrapped = body_error_response(exc.__cause__) if exc.__cause__ is not None else None
+            if wrapped is not None:  # our receive wrapper's error, wrapped by FastAPI: too large, timeout
+                return wrapped
             message, code = "request body is not valid UTF-8 JSON", "invalid_body"
         return JSONResponse(error_body(exc.status_code, message, code=code), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))

@@ -165,7 +165,7 @@ class GenerationRun:
     async def _generate(self) -> AsyncIterator[RequestOutput]:
         timeout = self.state.settings.config.scheduler.request_timeout_s
         deadline = self.received_at + timeout
-        self.state.begin_request()
+        self.state.begin_request(self.request.request_id)
         stream = self.engine.generate(self.request)
         in_engine, finished = True, False
         try:
@@ -196,7 +196,7 @@ class GenerationRun:
             if in_engine and not finished:
                 await self.engine.abort(self.request.request_id)
             await _close(stream)
-            self.state.end_request(self._record_latency() if finished else None)
+            self.state.end_request(self._record_latency() if finished else None, self.request.request_id)
 
     def _account(self, output: RequestOutput) -> None:
         now = time.monotonic()

@@ -3,6 +3,8 @@ one structured access-log line (request id, key id — never the key —, status
 
 from __future__ import annotations
 
+import asyncio
+import codecs
 import json
 import logging
 import time
@@ -11,7 +13,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serving.api.errors import BodyTooLarge, error_body
+from serving.api.errors import BodyNotUtf8, BodyReadTimeout, BodyTooLarge, error_body
 from serving.api.metrics import ServerMetrics
 
 access_log = logging.getLogger("specdeploy.access")
@@ -22,10 +24,12 @@ STATUS_CLIENT_CLOSED = 499  # nginx's convention for "client went away first"
 
 
 class RequestContextMiddleware:
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, max_body_bytes: int,
+                 body_timeout_s: float = 30.0) -> None:
         self.app = app
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -53,9 +57,12 @@ class RequestContextMiddleware:
         try:
             declared = int(headers.get(b"content-length", b"0") or 0)
         except ValueError:
-            declared = 0
+            declared = -1
         try:
-            if declared > self.max_body_bytes:
+            if declared < 0:
+                await _send_json(send_wrapper, 400, error_body(
+                    400, "Content-Length must be a non-negative integer", code="invalid_http_request"))
+            elif declared > self.max_body_bytes:
                 await _send_json(send_wrapper, 413, error_body(
                     413, f"request body exceeds {self.max_body_bytes} bytes", code="request_too_large"))
             else:
@@ -78,16 +85,36 @@ class RequestContextMiddleware:
             access_log.log(logging.DEBUG if path in _PROBES else logging.INFO, json.dumps(record))
 
     def _limited(self, receive: Receive) -> Receive:
+        """The body as the app reads it: at most max_body_bytes (chunked too), strict UTF-8 without NUL
+        (so no UTF-16 and no surrogates), each part within body_timeout_s of the previous one."""
         received = 0
-        limit = self.max_body_bytes
+        limit, timeout = self.max_body_bytes, self.body_timeout_s
+        decoder = codecs.getincrementaldecoder("utf-8")("strict")
+        body_done = False
 
         async def wrapper() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_done
+            if body_done:  # after the body only a disconnect can come: no timeout
+                return await receive()
+            try:
+                async with asyncio.timeout(timeout):
+                    message = await receive()
+            except TimeoutError:
+                raise BodyReadTimeout(timeout) from None
             if message["type"] == "http.request":
-                received += len(message.get("body", b""))
+                chunk = message.get("body", b"")
+                received += len(chunk)
                 if received > limit:
                     raise BodyTooLarge(limit)
+                body_done = not message.get("more_body", False)
+                if b"\x00" in chunk:
+                    raise BodyNotUtf8("NUL byte (UTF-16?)")
+                try:
+                    decoder.decode(chunk, final=body_done)
+                except UnicodeDecodeError as exc:
+                    raise BodyNotUtf8(exc.reason) from None
+            else:
+                body_done = True
             return message
 
         return wrapper

@@ -3,7 +3,7 @@ SDK extras; fields we accept but cannot honour are refused with a 400 naming the
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -12,11 +12,46 @@ MAX_STOP_SEQUENCES = 4
 MAX_LOGPROBS = 20
 # Errors these schemas raise with their own code; the message names the field itself.
 EMPTY_PROMPT = "empty_prompt"
-SCHEMA_ERROR_CODES = frozenset({EMPTY_PROMPT})
+INVALID_TEXT = "invalid_text"
+SCHEMA_ERROR_CODES = frozenset({EMPTY_PROMPT, INVALID_TEXT})
+# torch.Generator.manual_seed takes a signed 64-bit seed; a bigger one used to crash the engine loop.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+def _lone_surrogate(value: Any, path: str) -> tuple[str, str] | None:
+    """(field path, escaped character) of the first string in ``value`` that is not valid Unicode."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return path or "body", f"\\u{ord(value[exc.start]):04x}"
+        return None
+    if isinstance(value, dict):
+        items: Any = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = _lone_surrogate(key, path) if isinstance(key, str) else None
+        found = found or _lone_surrogate(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        """JSON may escape a lone surrogate (\\ud800); no tokenizer can encode one: 400, not 500."""
+        found = _lone_surrogate(data, "")
+        if found is not None:
+            raise PydanticCustomError(INVALID_TEXT, "{param}: contains a lone surrogate {char}; text must be "
+                                      "valid Unicode", {"param": found[0], "char": found[1]})
+        return data
 
 
 class StreamOptions(_Body):
@@ -32,7 +67,7 @@ class SamplingFields(_Body):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     ignore_eos: bool = False  # extension (benchmarks): generate exactly max_tokens

@@ -50,6 +50,7 @@ class ServerState:
     failure: str | None = None  # why start-up failed; the server then never becomes ready
     draining: bool = False
     inflight: int = 0  # generation requests admitted and not yet finished
+    active: set[str] = field(default_factory=set)  # their engine request ids (drain aborts them at the deadline)
     started_at: float = field(default_factory=time.monotonic)
     service_time_s: float | None = None  # moving average of end-to-end latency of finished requests
 
@@ -69,14 +70,25 @@ class ServerState:
             return False, f"engine loop died: {self.engine.error!r}"
         return True, self.phase if self.failure is None else f"alive, not ready: {self.failure}"
 
-    def begin_request(self) -> None:
+    def begin_request(self, request_id: str | None = None) -> None:
         self.inflight += 1
+        if request_id is not None:
+            self.active.add(request_id)
 
-    def end_request(self, e2e_s: float | None) -> None:
+    def end_request(self, e2e_s: float | None, request_id: str | None = None) -> None:
         self.inflight -= 1
+        self.active.discard(request_id or "")
         if e2e_s is not None:
             previous = self.service_time_s
             self.service_time_s = e2e_s if previous is None else previous + _SERVICE_TIME_EWMA * (e2e_s - previous)
+
+    async def abort_all(self) -> None:
+        """Abort every running generation: streams end with an error event, the others with a 503."""
+        engine = self.engine
+        if engine is None:
+            return
+        for request_id in list(self.active):
+            await engine.abort(request_id)
 
     def expected_queue_wait_s(self, stats: EngineStats) -> float:
         """Rough wait before a new request starts: queued requests drain max_concurrency at a time."""

@@ -113,7 +113,7 @@ class AsyncEngine:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     finished = True
-                    if isinstance(item, EngineDeadError):
+                    if isinstance(item, (EngineDeadError, RequestRejected)):
                         raise item
                     raise EngineDeadError(f"engine loop failed: {item!r}") from item
                 finished = item.finished
@@ -160,8 +160,13 @@ class AsyncEngine:
         while self._commands:
             kind, payload = self._commands.popleft()
             if kind == "add":  # admitted by generate(): counted as pending until it is in the queue
-                self.engine.enqueue(payload)
                 self._pending_adds -= 1
+                try:
+                    self.engine.enqueue(payload)
+                except Exception as exc:  # this request's own fault: it fails alone, the loop goes on
+                    log.warning("request %s refused while queueing: %r", payload.request_id, exc)
+                    self.engine.abort_request(payload.request_id)
+                    self._deliver_error(payload.request_id, RequestRejected("invalid", f"request refused: {exc}"))
             elif kind == "abort":
                 request_id, done = payload
                 output = self.engine.abort_request(request_id)

@@ -10,10 +10,14 @@ from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort"]
 
+SEED_RANGE = (-(2**63), 2**63 - 1)  # what torch.Generator.manual_seed accepts as a signed 64-bit seed
+# Below this a temperature divides logits to inf/nan (5e-324 -> 0 in fp32); it is argmax in all but name.
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy (argmax)
+    temperature: float = 1.0  # 0 (or below MIN_TEMPERATURE) = greedy (argmax)
     top_p: float = 1.0  # nucleus mass kept, (0, 1]; 1 = off
     top_k: int = 0  # keep the k most likely tokens; 0 or -1 = off
     seed: int | None = None  # seeds this request's own generator; None = random
@@ -42,10 +46,12 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be non-negative integers")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must be between {SEED_RANGE[0]} and {SEED_RANGE[1]}, got {self.seed}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE
 
 
 @dataclass
@@ -142,3 +148,5 @@ class EngineStats:
     last_step_s: float
     recent_step_durations_s: list[float]  # the last few hundred step durations, oldest first
     spec: SpecStats = field(default_factory=SpecStats)
+    prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache at admission
+    prefix_cache_hits_total: int = 0  # of which found cached (their prefill skipped)

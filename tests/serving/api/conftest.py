@@ -35,7 +35,7 @@ def model_store(tmp_path_factory: pytest.TempPathFactory, tiny_chat_model: Path)
 
 class ServerProcess:
     def __init__(self, workdir: Path, model_store: str, overrides: dict[str, dict[str, Any]] | None = None,
-                 keys: str | None = None) -> None:
+                 keys: str | None = None, extra_env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / "server.log"
@@ -54,6 +54,7 @@ class ServerProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEPLOY")}
         env["SPECDEPLOY_API_KEYS"] = keys if keys is not None else (
             f"alice:{KEYS['alice']},bob:{KEYS['bob']},slow:{KEYS['slow']}:{SLOW_KEY_RPM}")
+        env.update(extra_env or {})
         self.log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "infra.ops.cli.main", "serve", "--config", str(self.config_path)],
