@@ -117,6 +117,9 @@ class SchedulerSection(StrictModel):
     kv_block_size: Annotated[int, AfterValidator(_power_of_two)] = Field(
         16, ge=1, le=256, description="Tokens per KV cache block (a power of two)."
     )
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse the KV blocks of prompt prefixes already computed (shared system prompts)."
+    )
 
     @model_validator(mode="after")
     def _step_budget(self) -> SchedulerSection:

@@ -15,6 +15,8 @@ PREEMPTIONS = f"{PREFIX}_preemptions"
 SPEC_DRAFTS = f"{PREFIX}_spec_drafts"  # verify steps that carried at least one draft token
 SPEC_DRAFT_TOKENS = f"{PREFIX}_spec_draft_tokens"
 SPEC_ACCEPTED_TOKENS = f"{PREFIX}_spec_accepted_tokens"
+PREFIX_CACHE_QUERIES = f"{PREFIX}_prefix_cache_queries"  # prompt tokens looked up; hit rate = hits / queries
+PREFIX_CACHE_HITS = f"{PREFIX}_prefix_cache_hits"  # of which found in the prefix cache
 
 # Histograms (seconds).
 TTFT = f"{PREFIX}_time_to_first_token_seconds"

@@ -62,6 +62,10 @@ class ServerMetrics:
         self.generation_tokens = Counter(_counter_name(names.GENERATION_TOKENS), "Tokens generated", registry=reg)
         self.preemptions = Counter(_counter_name(names.PREEMPTIONS), "Requests preempted (recomputed)",
                                    registry=reg)
+        self.prefix_queries = Counter(_counter_name(names.PREFIX_CACHE_QUERIES),
+                                      "Prompt tokens looked up in the prefix cache", registry=reg)
+        self.prefix_hits = Counter(_counter_name(names.PREFIX_CACHE_HITS),
+                                   "Prompt tokens found in the prefix cache (prefill skipped)", registry=reg)
         self.speculative = speculative
         if speculative:
             self.spec_drafts = Counter(_counter_name(names.SPEC_DRAFTS),
@@ -108,6 +112,8 @@ class ServerMetrics:
         self._advance(self.prompt_tokens, "prompt", stats.prompt_tokens_total)
         self._advance(self.generation_tokens, "generation", stats.generation_tokens_total)
         self._advance(self.preemptions, "preemptions", stats.preemptions_total)
+        self._advance(self.prefix_queries, "prefix_queries", stats.prefix_cache_queries_total)
+        self._advance(self.prefix_hits, "prefix_hits", stats.prefix_cache_hits_total)
         if self.speculative:
             self._advance(self.spec_drafts, "drafts", stats.spec.num_drafts)
             self._advance(self.spec_draft_tokens, "draft_tokens", stats.spec.num_draft_tokens)

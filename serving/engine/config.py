@@ -41,6 +41,7 @@ class EngineConfig(StrictModel):
     # Prompt + output at most; None: the checkpoint's own positions.
     max_model_len: int | None = section_field(ModelSection, "max_model_len")
     max_queue: int = section_field(SchedulerSection, "max_queue")
+    enable_prefix_caching: bool = section_field(SchedulerSection, "enable_prefix_caching")
     seed: int = Field(0, description="Seeds the generators of requests that bring no seed.")
     num_threads: int | None = Field(None, ge=1, description="CPU: torch intra-op threads (process-wide).")
     speculative: SpeculativeSection = Field(default_factory=SpeculativeSection)
@@ -66,5 +67,6 @@ class EngineConfig(StrictModel):
             # checks requests against min(engine limit, max_input_len + max_output_len).
             max_model_len=model.max_model_len,
             max_queue=scheduler.max_queue,
+            enable_prefix_caching=scheduler.enable_prefix_caching,
             speculative=config.speculative,
         )

@@ -61,7 +61,7 @@ class LLMEngine:
         self.block_size = config.kv_block_size
         self.cache = KVCache(self.args.n_layers, num_blocks, self.block_size, self.args.n_kv_heads,
                              self.args.head_dim, self.dtype, self.device)
-        self.blocks = BlockManager(num_blocks, self.block_size)
+        self.blocks = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self._seed_source = random.Random(config.seed)
         self.steps_total = 0
@@ -261,6 +261,8 @@ class LLMEngine:
             generation_tokens_total=c.generation_tokens_total,
             preemptions_total=c.preemptions_total,
             requests_finished_total=c.requests_finished_total,
+            prefix_cache_queries_total=c.prefix_cache_queries_total,
+            prefix_cache_hits_total=c.prefix_cache_hits_total,
             steps_total=self.steps_total,
             step_time_total_s=self.step_time_total_s,
             last_step_s=self.last_step_s,

@@ -5,7 +5,9 @@ request the next slice of its tokens (a prefill chunk, its one new token, or its
 tokens to verify), under one token budget. Running requests go first, in arrival order; when the pool
 runs out of blocks, the latest-arrived running request is preempted (its blocks freed, its tokens
 recomputed later), so memory never overflows. Waiting requests are admitted FCFS while budget, sequence
-slots and blocks last.
+slots and blocks last; an admitted request starts on the cached blocks of its longest cached prefix (prefix
+caching, see kv_cache.py) and computes only the rest. A preempted request is matched again when it returns,
+so its recomputation is mostly cache hits unless its blocks were evicted meanwhile.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class SchedulerCounters:
     generation_tokens_total: int = 0
     preemptions_total: int = 0
     requests_finished_total: int = 0
+    prefix_cache_queries_total: int = 0  # tokens of admitted requests looked up in the prefix cache
+    prefix_cache_hits_total: int = 0  # of which found there (not computed)
 
 
 class Scheduler:
@@ -96,9 +100,15 @@ class Scheduler:
         # then waiting requests, first come first served, while nobody had to be preempted
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.blocks.allocate(req.request_id, req.num_computed_tokens + n):
+            cached = self.blocks.match_prefix(req.request_id, req.all_token_ids)
+            req.num_computed_tokens = cached
+            n = min(req.num_tokens - cached, budget)
+            if not self.blocks.allocate(req.request_id, cached + n):
+                self.blocks.free(req.request_id)  # give back the cached blocks it took
+                req.num_computed_tokens = 0
                 break
+            self.counters.prefix_cache_queries_total += req.num_tokens
+            self.counters.prefix_cache_hits_total += cached
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -153,12 +163,15 @@ class Scheduler:
             req.num_computed_tokens += n - len(drafts) + accepted_drafts
             req.spec_token_ids = []
             if not new:
+                self.blocks.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)
                 continue
             req.append_output_tokens(new, (logprobs or {}).get(req.request_id))
             self.counters.generation_tokens_total += len(new)
             # the last appended token has no K/V yet; anything computed past it is rolled back
             req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
             self.blocks.truncate(req.request_id, req.num_computed_tokens)
+            # blocks now full of accepted tokens become reusable by content (a finished request's too)
+            self.blocks.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)
             updated.append(req)
             if req.is_finished:
                 self._free_finished(req)

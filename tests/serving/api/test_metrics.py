@@ -11,7 +11,7 @@ from serving import metric_names
 
 COUNTERS = {metric_names.REQUESTS, metric_names.PROMPT_TOKENS, metric_names.GENERATION_TOKENS,
             metric_names.PREEMPTIONS, metric_names.SPEC_DRAFTS, metric_names.SPEC_DRAFT_TOKENS,
-            metric_names.SPEC_ACCEPTED_TOKENS}
+            metric_names.SPEC_ACCEPTED_TOKENS, metric_names.PREFIX_CACHE_QUERIES, metric_names.PREFIX_CACHE_HITS}
 HISTOGRAMS = {metric_names.TTFT, metric_names.TPOT, metric_names.INTER_TOKEN, metric_names.E2E,
               metric_names.QUEUE_TIME, metric_names.STEP_TIME}
 CUDA_ONLY = {metric_names.GPU_MEMORY_USED, metric_names.GPU_MEMORY_TOTAL, metric_names.GPU_UTILIZATION}
@@ -66,3 +66,22 @@ def test_metrics_can_require_a_key(tmp_path: Path) -> None:
         assert client.get("/metrics").status_code == 401
         assert client.get("/metrics", headers={"Authorization": "Bearer scrape-key-0123456789"}).status_code == 200
         assert client.get("/ready").status_code == 503  # probes stay open
+
+
+def test_prefix_cache_counters_follow_the_engine_totals() -> None:
+    from serving.api.metrics import ServerMetrics
+    from serving.engine.types import EngineStats
+
+    def stats(queries: int, hits: int) -> EngineStats:
+        return EngineStats(num_waiting=0, num_running=0, kv_blocks_used=0, kv_blocks_total=8, kv_block_size=16,
+                           prompt_tokens_total=0, generation_tokens_total=0, preemptions_total=0,
+                           requests_finished_total=0, steps_total=0, step_time_total_s=0.0, last_step_s=0.0,
+                           recent_step_durations_s=[], prefix_cache_queries_total=queries,
+                           prefix_cache_hits_total=hits)
+
+    metrics = ServerMetrics(speculative=False)
+    metrics.refresh(stats(100, 64), ready=True)
+    metrics.refresh(stats(250, 192), ready=True)
+    text = metrics.render().decode()
+    assert re.search(rf"^{metric_names.PREFIX_CACHE_QUERIES}_total 250\.0$", text, re.M)
+    assert re.search(rf"^{metric_names.PREFIX_CACHE_HITS}_total 192\.0$", text, re.M)
