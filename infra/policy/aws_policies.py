@@ -176,6 +176,35 @@ def public_listeners_use_tls(args: StackValidationArgs, report: ReportViolation)
                    "traffic without TLS; serve HTTPS or redirect to it", resource.urn)
 
 
+# Server paths for operators and the load balancer only: metrics leak load and model details, /ready and
+# /health let anyone watch a rollout.
+INTERNAL_PATHS = frozenset({"/metrics", "/health", "/ready"})
+
+
+def internal_paths_not_public(args: StackValidationArgs, report: ReportViolation) -> None:
+    """A public load balancer's forwarding listeners answer /metrics, /health and /ready themselves
+    (a listener rule with a fixed response) instead of forwarding them to the servers."""
+    public = {r.props.get("arn") for r in args.resources
+              if r.resource_type == "aws:lb/loadBalancer:LoadBalancer" and r.props.get("internal") is False}
+    hidden: dict[str, set[str]] = {}
+    for resource in args.resources:
+        props = resource.props
+        if resource.resource_type == "aws:lb/listenerRule:ListenerRule" and all(
+                a.get("type") == "fixed-response" for a in props.get("actions") or [{}]):
+            paths = {v for c in props.get("conditions") or [] for v in (c.get("pathPattern") or {}).get("values", [])}
+            hidden.setdefault(props.get("listenerArn", ""), set()).update(paths)
+    for resource in args.resources:
+        props = resource.props
+        if resource.resource_type != "aws:lb/listener:Listener" or props.get("loadBalancerArn") not in public:
+            continue
+        if not any(a.get("type") == "forward" for a in props.get("defaultActions") or []):
+            continue
+        exposed = sorted(INTERNAL_PATHS - hidden.get(props.get("arn", ""), set()))
+        if exposed:
+            report(f"{resource.name}: public listener forwards {', '.join(exposed)} to the servers; add a "
+                   "listener rule answering them with a fixed response", resource.urn)
+
+
 _MANDATORY = EnforcementLevel.MANDATORY
 
 POLICIES: list[Policy] = [
@@ -186,6 +215,8 @@ POLICIES: list[Policy] = [
                              description=no_world_open_ports.__doc__ or "", validate=no_world_open_ports),
     StackValidationPolicy(name="tls-on-public-listeners", enforcement_level=_MANDATORY,
                           description=public_listeners_use_tls.__doc__ or "", validate=public_listeners_use_tls),
+    StackValidationPolicy(name="internal-paths-not-public", enforcement_level=_MANDATORY,
+                          description=internal_paths_not_public.__doc__ or "", validate=internal_paths_not_public),
     ResourceValidationPolicy(name="imdsv2-required", enforcement_level=_MANDATORY,
                              description=imds_v2_required.__doc__ or "", validate=imds_v2_required),
     ResourceValidationPolicy(name="alarms-have-runbook-and-action", enforcement_level=_MANDATORY,

@@ -35,8 +35,9 @@ def test_every_aws_stack_passes_the_pack(stack: str, aws_stack: StackFn) -> None
     assert check(aws_stack(stack).resources) == []
 
 
-def test_pack_has_the_seven_rules_of_the_issue() -> None:
+def test_pack_has_the_rules_of_the_issues() -> None:
     assert set(POLICY) == {"s3-buckets-private-encrypted-versioned", "no-world-open-server-port",
+                           "internal-paths-not-public",
                            "tls-on-public-listeners", "imdsv2-required", "alarms-have-runbook-and-action",
                            "instances-not-public", "no-plaintext-secret-in-user-data"}
 
@@ -153,3 +154,17 @@ def test_secret_in_user_data_is_caught(leak: str, aws_stack: StackFn) -> None:
         props["userData"] = encode_user_data(script)
 
     assert _violations(aws_stack("dev"), "no-plaintext-secret-in-user-data", "fleet-blue-lt", add_leak)
+
+
+@pulumi.runtime.test
+def test_public_listener_forwarding_metrics_is_caught(aws_stack: StackFn) -> None:
+    def forward_metrics(props: dict[str, Any]) -> None:
+        props["conditions"] = [{"pathPattern": {"values": ["/health", "/ready"]}}]
+
+    found = _violations(aws_stack("prod"), "internal-paths-not-public", "lb-internal-paths", forward_metrics)
+    assert len(found) == 1 and "forwards /metrics" in found[0].message
+
+
+@pulumi.runtime.test
+def test_internal_load_balancer_may_forward_internal_paths(aws_stack: StackFn) -> None:
+    assert run_policy(POLICY["internal-paths-not-public"], aws_stack("staging").resources) == []
