@@ -78,6 +78,11 @@ class LLMEngine:
             # process-wide, set when the engine is built (never at import): small models on a busy CPU
             # run several times faster on one thread than on threads that wait for each other
             torch.set_num_threads(config.num_threads)
+        if config.device == "cuda" and not torch.cuda.is_available():
+            # Never fall back to CPU when the deployment asked for the GPU: stay not ready and say why.
+            raise RuntimeError(f"model.device is cuda but torch {torch.__version__} (CUDA build "
+                               f"{torch.version.cuda or 'none'}) finds no CUDA device: check the NVIDIA driver, "
+                               "the container toolkit (--gpus all) and the image variant")
         device = torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
         )
