@@ -21,6 +21,7 @@ from infra.ops.cli.main import CommandError
 
 if TYPE_CHECKING:
     from infra.config import StackFile
+    from infra.ops.release.gates import GateWatcher, SlotMetrics
     from infra.ops.release.rollout import Outcome, Release
     from infra.ops.release.targets import TargetOptions
     from infra.ops.release.traffic import AlarmSource
@@ -96,52 +97,81 @@ def _say(line: str) -> None:
 
 
 def _rollout(args: argparse.Namespace) -> int:
-    from infra.ops.release import validation
-    from infra.ops.release.gates import GateThresholds, GateWatcher, SlotMetrics, http_fetch
-    from infra.ops.release.kubernetes import IngressCanaryRouter
-    from infra.ops.release.model import ReleaseError, parse_duration, parse_steps
-    from infra.ops.release.rollout import rollout
+    """Connect, watch gates, shift traffic; 0 when the new slot took it all, 1 when it was rolled back."""
+    from infra.ops.release.model import ReleaseError
 
     try:
-        steps = parse_steps(args.steps)
-        observe_s = parse_duration(args.observe)
-        poll_s = parse_duration(args.poll)
+        steps, observe_s, poll_s = _schedule(args)
         stack = _load(args)
-        options = _options(args)
-        release, alarms, endpoints = _connect(stack, options, args, slot=args.to, with_alarms=True)
+        release, alarms, endpoints = _connect(stack, _options(args), args, slot=args.to, with_alarms=True)
         endpoints = endpoints or release.router.slot_status(args.to).endpoints
-        metrics = SlotMetrics(endpoints, http_fetch(os.environ.get("SPECDEPLOY_API_KEY"))) if endpoints else None
-        if metrics is None and isinstance(release.router, IngressCanaryRouter) and \
-                not stack.config.service.metrics_require_auth:
-            # No port-forward needed: read every pod of the slot through the API server's proxy.
-            router, port = release.router, stack.config.service.port
-            metrics = SlotMetrics(lambda: router.pod_proxies(args.to, port), router.api.get_text)
-            release.log.write("metrics_via_api_proxy", slot=args.to)
-        if metrics is None:
-            release.log.write("metrics_gate_off", slot=args.to, reason="no endpoint reaches the slot alone")
-            _say(f"warning: no endpoint for {args.to}: error-rate/P99 gate off, alarms only (pass --slot-endpoint)")
-        gates = GateWatcher(alarms, metrics, GateThresholds.from_stack(stack.config, args.min_requests),
-                            release.log, poll_s=poll_s, say=_say)
-        report_dir = args.report_dir or Path("reports") / "release" / f"{stack.name}-{args.to}-{int(time.time())}"
+        gates = _gates(stack, release, alarms, _slot_metrics(stack, release, args.to, endpoints), args, poll_s)
         _say(f"rollout {stack.name}: {args.to} in steps {','.join(map(str, steps))}% observing {args.observe} each "
              f"via {release.router.description}; log {release.log.path}")
-        try:
-            outcome = rollout(release, args.to, steps, observe_s, gates,
-                              None if args.skip_validation else validation.launch_validator(args.validation_hosts),
-                              endpoints, report_dir, resume=args.resume)
-        except KeyboardInterrupt:
-            release.log.write("interrupted", slot=args.to)
-            _say(f"interrupted; traffic stays where it is. Continue: specdeploy rollout --stack {stack.name} "
-                 f"--to {args.to} --resume   or go back: specdeploy rollback --stack {stack.name}")
-            raise
+        outcome = _shift(stack, release, gates, endpoints, steps, observe_s, args)
     except ReleaseError as exc:
         raise CommandError(str(exc)) from None
     except _cloud_errors() as exc:
         raise CommandError(f"AWS API: {exc}") from None
+    return _report_rollout(stack, release, outcome, args.to)
+
+
+def _schedule(args: argparse.Namespace) -> tuple[list[int], float, float]:
+    """Percent per step, the observe window and the poll interval, from --steps, --observe and --poll."""
+    from infra.ops.release.model import parse_duration, parse_steps
+
+    return parse_steps(args.steps), parse_duration(args.observe), parse_duration(args.poll)
+
+
+def _slot_metrics(stack: StackFile, release: Release, slot: str, endpoints: list[str]) -> SlotMetrics | None:
+    """Where the error-rate and P99 gate reads the new slot's /metrics; None turns that gate off."""
+    from infra.ops.release.gates import SlotMetrics, http_fetch
+    from infra.ops.release.kubernetes import IngressCanaryRouter
+
+    if endpoints:
+        return SlotMetrics(endpoints, http_fetch(os.environ.get("SPECDEPLOY_API_KEY")))
+    router = release.router
+    if isinstance(router, IngressCanaryRouter) and not stack.config.service.metrics_require_auth:
+        # No port-forward needed: read every pod of the slot through the API server's proxy.
+        port = stack.config.service.port
+        release.log.write("metrics_via_api_proxy", slot=slot)
+        return SlotMetrics(lambda: router.pod_proxies(slot, port), router.api.get_text)
+    release.log.write("metrics_gate_off", slot=slot, reason="no endpoint reaches the slot alone")
+    _say(f"warning: no endpoint for {slot}: error-rate/P99 gate off, alarms only (pass --slot-endpoint)")
+    return None
+
+
+def _gates(stack: StackFile, release: Release, alarms: AlarmSource | None, metrics: SlotMetrics | None,
+           args: argparse.Namespace, poll_s: float) -> GateWatcher:
+    from infra.ops.release.gates import GateThresholds, GateWatcher
+
+    return GateWatcher(alarms, metrics, GateThresholds.from_stack(stack.config, args.min_requests),
+                       release.log, poll_s=poll_s, say=_say)
+
+
+def _shift(stack: StackFile, release: Release, gates: GateWatcher, endpoints: list[str], steps: list[int],
+           observe_s: float, args: argparse.Namespace) -> Outcome:
+    """Validate the new slot, then move traffic step by step; an interrupt leaves traffic where it is."""
+    from infra.ops.release import validation
+    from infra.ops.release.rollout import rollout
+
+    validator = None if args.skip_validation else validation.launch_validator(args.validation_hosts)
+    report_dir = args.report_dir or Path("reports") / "release" / f"{stack.name}-{args.to}-{int(time.time())}"
+    try:
+        return rollout(release, args.to, steps, observe_s, gates, validator, endpoints, report_dir,
+                       resume=args.resume)
+    except KeyboardInterrupt:
+        release.log.write("interrupted", slot=args.to)
+        _say(f"interrupted; traffic stays where it is. Continue: specdeploy rollout --stack {stack.name} "
+             f"--to {args.to} --resume   or go back: specdeploy rollback --stack {stack.name}")
+        raise
+
+
+def _report_rollout(stack: StackFile, release: Release, outcome: Outcome, slot: str) -> int:
     if not outcome.ok:
         _say(f"{'rolled back' if outcome.rolled_back else 'stopped before any traffic moved'}: {outcome.reason}")
         _say(f"all traffic is on {outcome.active} ({_weights(outcome.weights)}); details in {release.log.path}")
-        _print_commit(stack, outcome, f"release({stack.name}): {outcome.active} stays active, {args.to} rolled back")
+        _print_commit(stack, outcome, f"release({stack.name}): {outcome.active} stays active, {slot} rolled back")
         return 1
     _say(f"rollout complete: {_weights(outcome.weights)}")
     _print_commit(stack, outcome, f"release({stack.name}): {outcome.active} active")
