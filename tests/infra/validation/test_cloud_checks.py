@@ -78,5 +78,5 @@ def test_alarm_checks(cloudwatch: tuple[Any, dict[str, str]], serve_fake: Any, t
     client, env = cloudwatch
     _put_alarms(client, **setup)
     with serve_fake() as (endpoint, _):
-        # The runbook files are in this project whatever the cloud says: that check passes in every case.
-    assert _outcomes(env, endpoint, tmp_path) == {**expected, "test_every_alarm_has_its_runbook_file": "passed"}
+            # The runbook files are in this project whatever the cloud says: that check passes in every case.
+        assert _outcomes(env, endpoint, tmp_path) == {**expected, "test_every_alarm_has_its_runbook_file": "passed"}
