@@ -14,6 +14,7 @@ from pathlib import Path
 
 from serving.api.settings import Settings
 from serving.api.state import Engine, ServerState
+from serving.api.tokenize import TokenizerPool
 from serving.config import ServerConfig
 from serving.engine.types import GenerationRequest, SamplingParams
 from serving.weights import WeightsError, ensure_local, verify_dir
@@ -61,6 +62,7 @@ async def start_serving(state: ServerState, factory: EngineFactory) -> None:
         state.phase = "loading model"
         engine = await asyncio.to_thread(factory, settings)
         await engine.start()
+        state.tokenizers = TokenizerPool(engine.tokenizer, settings.config.scheduler.max_input_len)
         state.engine = engine
         if getattr(engine, "device_type", None) == "cuda" or _cuda_in_use(settings):
             state.metrics.enable_gpu()

@@ -46,6 +46,7 @@ class ServerState:
     settings: Settings
     metrics: ServerMetrics
     engine: Engine | None = None
+    tokenizers: Any = None  # serving.api.tokenize.TokenizerPool once the engine is up
     phase: str = "starting"  # starting → verifying weights → loading model → warming up → ready
     failure: str | None = None  # why start-up failed; the server then never becomes ready
     draining: bool = False

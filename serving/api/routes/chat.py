@@ -22,7 +22,10 @@ router = APIRouter(tags=["chat"])
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, engine: EngineDep,
                                  state: StateDep) -> Response:
     check_model(state, body.model)
-    prompt_ids = encode_chat(engine.tokenizer, [{"role": m.role, "content": m.text} for m in body.messages])
+    messages = [{"role": m.role, "content": m.text} for m in body.messages]
+    pool = state.tokenizers
+    pool.check_length(sum(len(m["content"]) for m in messages), "messages")
+    prompt_ids = await pool.run(lambda: encode_chat(engine.tokenizer, messages))  # off the event loop
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     run = start_run(request, state, engine, body, prompt_ids, body.output_limit, logprobs, "chatcmpl")
     base = {"id": run.request.request_id, "object": "chat.completion", "created": int(time.time()),

@@ -25,7 +25,7 @@ async def create_completion(body: CompletionRequest, request: Request, engine: E
     if isinstance(prompt, list):
         prompt_ids = list(prompt)
     else:
-        prompt_ids = list(engine.tokenizer.encode(prompt, add_special_tokens=True))
+        prompt_ids = await state.tokenizers.encode(prompt, add_special_tokens=True)  # off the event loop
     run = start_run(request, state, engine, body, prompt_ids, body.max_tokens, body.logprobs, "cmpl")
     created = int(time.time())
     base = {"id": run.request.request_id, "object": "text_completion", "created": created, "model": body.model}

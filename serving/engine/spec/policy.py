@@ -66,6 +66,12 @@ class Acceptance:
         self.accepted = self.decay * self.accepted + accepted
         self.tested = self.decay * self.tested + tested
 
+    def relax(self) -> None:
+        """One step without evidence: old counts fade, so the estimate drifts back toward the prior instead
+        of freezing at whatever the last (perhaps overloaded) verifications said."""
+        self.accepted *= self.decay
+        self.tested *= self.decay
+
     @property
     def rate(self) -> float:
         return (self.accepted + self.prior * self.prior_weight) / (self.tested + self.prior_weight)
@@ -91,6 +97,7 @@ class SpeculationPolicy:
     per_request: dict[str, Acceptance] = field(default_factory=dict)
     explore_after: int = 32  # a request left at k = 0 this many steps gets one k = 1 probe
     _idle_steps: dict[str, int] = field(default_factory=dict)
+    _steps_without_drafts: int = 0  # across all requests: short requests never reach their own probe
 
     def acceptance(self, req_id: str) -> float:
         own = self.per_request.get(req_id)
@@ -152,16 +159,30 @@ class SpeculationPolicy:
             if self.uses_draft_model:
                 fed = sum((catch_up or {}).get(r, 1.0) for r in chosen) if position == 1 else float(best_m)
                 draft_seconds += self.draft_cost(fed)
-        return self._explore(ks, catch_up or {})
+        return self._explore(ks, catch_up or {}, order)
 
-    def _explore(self, ks: dict[str, int], catch_up: dict[str, float]) -> dict[str, int]:
+    def _explore(self, ks: dict[str, int], catch_up: dict[str, float], order: list[str]) -> dict[str, int]:
         """Estimates only move when a request speculates; a cheap probe now and then keeps k = 0 from being
-        forever (not where the draft would first have to catch up on a long stretch)."""
+        forever (not where the draft would first have to catch up on a long stretch). Two clocks: each
+        request's own, and one for the whole engine, so that after overload a stream of short requests
+        (each gone before its own probe) still re-probes; meanwhile the global acceptance relaxes toward
+        its prior, so speculation comes back within a few dozen steps of load dropping."""
         for r, k in ks.items():
             idle = 0 if k > 0 else self._idle_steps.get(r, 0) + 1
             if idle >= self.explore_after and catch_up.get(r, 1.0) <= 8.0:
                 ks[r], idle = 1, 0
             self._idle_steps[r] = idle
+        if any(ks.values()):
+            self._steps_without_drafts = 0
+            return ks
+        self._steps_without_drafts += 1
+        self.global_acceptance.relax()
+        if self._steps_without_drafts >= self.explore_after:
+            probe = next((r for r in order if catch_up.get(r, 1.0) <= 8.0), None)
+            if probe is not None:
+                ks[probe] = 1
+                self._steps_without_drafts = 0
+                self._idle_steps[probe] = 0
         return ks
 
     def observe_target_step(self, num_tokens: int, seconds: float) -> None:

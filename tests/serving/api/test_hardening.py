@@ -124,3 +124,13 @@ def test_openapi_is_served_behind_auth_and_documents_400(server: ServerProcess) 
         schema = client.get("/openapi.json").json()
     responses = schema["paths"]["/v1/completions"]["post"]["responses"]
     assert "400" in responses and "422" not in responses
+
+
+def test_a_prompt_too_long_in_characters_is_refused_before_tokenizing(server: ServerProcess) -> None:
+    with server.client() as client:
+        response = client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "a" * 60000, "max_tokens": 2})
+        error = _is_openai_error(response, 400)
+        assert "60000 characters" in error["message"], error
+        chat = client.post("/v1/chat/completions", json={
+            "model": MODEL_NAME, "messages": [{"role": "user", "content": "b" * 60000}], "max_tokens": 2})
+        assert "characters" in _is_openai_error(chat, 400)["message"]
