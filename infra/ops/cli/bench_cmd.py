@@ -59,6 +59,23 @@ def register(subparsers: Any) -> None:
     spec.add_argument("--json-out", type=Path, help="also write the JSON report to this file")
     spec.set_defaults(func=_bench_spec)
 
+    prefix = actions.add_parser(
+        "prefix",
+        help="TTFT of requests sharing a long system prompt, prefix caching on vs off",
+        description="One run: the same requests (a shared system prompt plus each request's own held-out code "
+        "turn, greedy, EOS ignored) through an engine with prefix caching and one without, in a closed loop. "
+        "Default model: the demo target.",
+    )
+    prefix.add_argument("--model", type=Path, help="model directory (default: the demo target)")
+    prefix.add_argument("--system-tokens", type=int, default=1024, help="shared system prompt length (default 1024)")
+    prefix.add_argument("--requests", type=int, default=16, help="requests per engine (default 16)")
+    prefix.add_argument("--concurrency", type=int, default=1, help="requests in flight (default 1)")
+    prefix.add_argument("--output-len", type=int, default=32, help="tokens generated per request (default 32)")
+    prefix.add_argument("--threads", type=int, default=1, help="torch threads")
+    prefix.add_argument("--device", default="cpu", help="cpu or cuda")
+    prefix.add_argument("--json-out", type=Path, help="also write the JSON report to this file")
+    prefix.set_defaults(func=_bench_prefix)
+
     try:  # `bench server` (HTTP vs engine) belongs to the server and lives beside this module
         from infra.ops.cli.bench_server import register_server
     except ImportError:
@@ -119,6 +136,35 @@ def _bench_spec(args: argparse.Namespace) -> int:
     if args.json_out:
         args.json_out.write_text(text + "\n")
     _print_spec_tables(report)
+    return 0
+
+
+def _bench_prefix(args: argparse.Namespace) -> int:
+    from serving.engine.prefix_benchmark import run_prefix_benchmark
+
+    for flag in ("system_tokens", "requests", "concurrency", "output_len"):
+        if getattr(args, flag) < 1:
+            raise CommandError(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
+    report = run_prefix_benchmark(_model_dir(args.model), args.requests, args.concurrency, args.system_tokens,
+                                  args.output_len, args.threads, args.device)
+    text = json.dumps(report.to_dict(), indent=2)
+    sys.stdout.write(text + "\n")
+    if args.json_out:
+        args.json_out.write_text(text + "\n")
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{report.requests} requests, {report.system_prompt_tokens}-token shared system prompt, "
+                        f"c={report.concurrency}, {report.output_len} tokens each, greedy")
+    for col in ("prefix caching", "TTFT P50 ms", "TTFT P99 ms", "E2E P50 ms", "prompt tokens computed", "hit rate"):
+        table.add_column(col, justify="left" if col == "prefix caching" else "right")
+    for r in report.runs:
+        table.add_row("on" if r.prefix_caching else "off", f"{r.ttft_p50_s * 1e3:.1f}", f"{r.ttft_p99_s * 1e3:.1f}",
+                      f"{r.e2e_p50_s * 1e3:.1f}", f"{r.prompt_tokens_computed:,}", f"{r.prefix_cache_hit_rate:.2f}")
+    console = Console(file=sys.stdout, width=120)
+    console.print(table)
+    console.print(f"TTFT P50 on / off: {report.ttft_p50_on_over_off:.3f} (goal <= 0.333)")
+    console.print(f"greedy outputs identical with prefix caching on and off: {report.outputs_identical}")
     return 0
 
 
