@@ -342,6 +342,9 @@ class StackConfig(StrictModel):
             raise ValueError("platform 'kubernetes' needs a `kubernetes` section")
         if self.platform == "aws" and self.access.public and not self.access.certificate_arn:
             raise ValueError("access.public on aws needs access.certificate_arn (TLS when public)")
+        if self.platform == "aws" and not self.alerting.emails and not self.alerting.https_endpoints:
+            raise ValueError("platform aws needs alerting.emails or alerting.https_endpoints: "
+                             "alarms would reach nobody")
         if self.platform == "kubernetes" and self.access.public and not (
             self.kubernetes and self.kubernetes.tls_secret
         ):

@@ -129,6 +129,25 @@ def test_ngram_speculation_needs_no_draft_version(tmp_path: Path) -> None:
     assert load_stack("broken", _write_stack(tmp_path, ngram)).config.speculative.method == "ngram"
 
 
+def test_aws_alarms_that_reach_nobody_are_refused(tmp_path: Path) -> None:
+    message = _error_for(tmp_path, lambda c: c["specdeploy:alerting"].update({"emails": [], "https_endpoints": []}))
+    assert "platform aws needs alerting.emails or alerting.https_endpoints" in message
+
+
+def test_a_pager_endpoint_alone_is_an_alert_target(tmp_path: Path) -> None:
+    def pager_only(config: dict) -> None:  # type: ignore[type-arg]
+        config["specdeploy:alerting"].update({"emails": [], "https_endpoints": ["https://pager.example.com/hook"]})
+
+    assert load_stack("broken", _write_stack(tmp_path, pager_only)).config.alerting.emails == []
+
+
+def test_kubernetes_alerts_need_no_aws_targets(tmp_path: Path) -> None:
+    def no_targets(config: dict) -> None:  # type: ignore[type-arg]
+        config.setdefault("specdeploy:alerting", {}).update({"emails": [], "https_endpoints": []})
+
+    assert load_stack("broken", _write_stack(tmp_path, no_targets, "k8s-dev")).config.platform == "kubernetes"
+
+
 def test_internal_aws_endpoint_open_to_the_world_is_refused(tmp_path: Path) -> None:
     message = _error_for(tmp_path, lambda c: c["specdeploy:access"].update({"allowed_cidrs": ["0.0.0.0/0"]}))
     assert "access.allowed_cidrs opens an internal load balancer to the world" in message

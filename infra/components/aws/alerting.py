@@ -47,8 +47,6 @@ class AlertingArgs:
     def __post_init__(self) -> None:
         if self.active_slot not in self.asg_names:
             raise ValueError(f"release.active: slot {self.active_slot!r} has no fleet")
-        if not self.emails and not self.https_endpoints:
-            raise ValueError("alerting.emails and alerting.https_endpoints are both empty: alarms would reach nobody")
         known = {"SpecdeployHighErrorRate", "SpecdeployHighP99Latency", "SpecdeployHighP99Ttft",
                  "SpecdeployQueueBacklog", "SpecdeployGpuMemoryHigh", "SpecdeployGpuUtilizationHigh",
                  "SpecdeployUnhealthyHosts", "SpecdeployFleetBelowMinimum"}

@@ -14,12 +14,16 @@ from infra.ops.release.stackfile import render_release, write_release
 
 BLUE = SlotSpec(image="img@sha256:" + "1" * 64, model_version="s3://models-bucket/m/v1")
 GREEN = SlotSpec(image="img@sha256:" + "2" * 64, model_version="s3://models-bucket/m/v2")
+# An aws stack must name who its alarms reach (the schema refuses one without).
+ALERTS = "  specdeploy:alerting: {emails: [oncall@example.com]}\n"
 
 COMMENTED = """\
 # Staging: comments matter, reviewers read them.
 config:
   aws:region: us-east-1
   specdeploy:platform: aws
+  specdeploy:alerting:
+    emails: [oncall@example.com]
   specdeploy:model:
     name: m
     source: s3://models-bucket/m/v1   # current weights
@@ -68,7 +72,8 @@ def test_changed_slots_rewrite_only_the_release_block() -> None:
 
 
 def test_flow_style_release_is_rewritten_as_a_block() -> None:
-    text = ("config:\n  specdeploy:platform: aws\n  specdeploy:model: {name: m, source: s3://models-bucket/m/v1}\n"
+    text = ("config:\n  specdeploy:platform: aws\n" + ALERTS +
+            "  specdeploy:model: {name: m, source: s3://models-bucket/m/v1}\n"
             "  specdeploy:release: {active: blue, blue: {image: i, model_version: s3://models-bucket/m/v1}}\n")
     blue = SlotSpec(image="i", model_version="s3://models-bucket/m/v1")
     release = ReleaseSpec(active="blue", canary_weight=0, blue=blue, green=GREEN)
@@ -77,7 +82,8 @@ def test_flow_style_release_is_rewritten_as_a_block() -> None:
 
 
 def test_a_stack_without_release_gets_one_appended() -> None:
-    text = "config:\n  specdeploy:platform: aws\n  specdeploy:model:\n    name: m\n    source: s3://models-bucket/m/v1\n"
+    text = "config:\n  specdeploy:platform: aws\n" + ALERTS + \
+        "  specdeploy:model:\n    name: m\n    source: s3://models-bucket/m/v1\n"
     updated = render_release(text, ReleaseSpec(active="blue", blue=BLUE))
     assert updated.startswith(text)
     assert yaml.safe_load(updated)["config"]["specdeploy:release"]["blue"]["image"] == BLUE.image
