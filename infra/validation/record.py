@@ -43,6 +43,8 @@ class LaunchRun:
     warmup_fraction: float = 0.2
     checks: list[CheckOutcome] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # facts worth a line in the report (how the A/B ran, ...)
+    server: str = ""  # how the server ran: "container (image ..., podman)", "local process ...", "platform aws"
+    hosts: list[str] = field(default_factory=list)  # testinfra backends the host checks ran on
 
     @property
     def passed(self) -> bool:
@@ -80,6 +82,8 @@ class LaunchRun:
             "speculative_ab": self.ab.to_json(self.targets) if self.ab else None,
             "speculative_recommendation": self.recommendation,
             "notes": self.notes,
+            "server": self.server,
+            "hosts": self.hosts,
         }
 
 

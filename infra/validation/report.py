@@ -267,11 +267,21 @@ def served_by(stack: str) -> str:
     return "local process (this checkout)"
 
 
+def server_line(run: LaunchRun) -> str:
+    """What served the run and where its host checks ran, e.g. ``container (image ..., podman); host
+    checks on podman://specdeploy-local-container``; empty when neither is known."""
+    server = run.server
+    if run.hosts:
+        where = ", ".join(run.hosts)
+        server = f"{server}; host checks on {where}" if server else f"host checks on {where}"
+    return server
+
+
 def render_html(run: LaunchRun) -> str:
     verdict = "PASS" if run.passed else "FAIL"
     counts = run.counts()
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(run.started_at))
-    server = served_by(run.stack)
+    server = server_line(run)
     parts = [
         "<!doctype html><html lang='en'><head><meta charset='utf-8'>",
         f"<title>specdeploy launch report: {html.escape(run.stack)} ({verdict})</title>",
@@ -331,7 +341,7 @@ def render_markdown(run: LaunchRun, report_dir: Path | None = None) -> str:
         "",
         f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped; endpoint {run.endpoint}.",
     ]
-    server = served_by(run.stack)
+    server = server_line(run)
     if server:
         lines += ["", f"Server: {server}."]
     failed = [c for c in run.checks if c.outcome == "failed"]

@@ -71,6 +71,33 @@ def local_api_key(stack: str) -> str | None:
     return key
 
 
+def default_hosts(stack: str) -> list[str]:
+    """Testinfra backends of a stack's serving hosts when the caller names none: this machine
+    (``local://``) for a local process, the server's container (``podman://NAME``) for the local
+    platform's container runtime, none for a cloud stack (the operator's machine is not a serving host)."""
+    stack_file = load_stack(stack)
+    if stack_file.config.platform != "local":
+        return []
+    if stack_file.config.local.runtime == "container":
+        from infra.ops.local import LocalDeployment
+
+        container = LocalDeployment(stack_file).container
+        assert container is not None
+        return [f"podman://{container.name}"]
+    return ["local://"]
+
+
+def container_environment(hosts: Sequence[str]) -> dict[str, str]:
+    """What `podman exec` needs to find our containers (storage and config under the project's podman
+    directory, infra/ops/image.py) when a host is ``podman://``; empty otherwise."""
+    if not any(spec.startswith("podman://") for spec in hosts):
+        return {}
+    from infra.ops.image import podman_env
+
+    env = podman_env()
+    return {key: env[key] for key in ("CONTAINERS_STORAGE_CONF", "CONTAINERS_REGISTRIES_CONF", "CONTAINERS_CONF")}
+
+
 def default_report_dir(stack: str, profile: str) -> Path:
     """``<project>/reports/<stack>-<profile>-<UTC time>``."""
     return project_dir() / "reports" / f"{stack}-{profile}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"

@@ -139,6 +139,23 @@ def pytest_configure(config: pytest.Config) -> None:
     # Registered here too: from an installed package the suite runs without the repository's pytest config.
     config.addinivalue_line("markers", "launch: launch validation against a running deployment")
     _SESSION_CONFIG.append(config)
+    if launch_options(config).endpoint is not None:
+        _use_default_hosts(config)
+
+
+def _use_default_hosts(config: pytest.Config) -> None:
+    """Without --hosts, the stack's serving hosts (runner.default_hosts) become --hosts, which
+    testinfra's `host` fixture is parametrized by: this machine for a local process,
+    ``podman://<container>`` for the local container runtime. For ``podman://`` hosts, `podman exec`
+    gets the project's podman storage and configuration unless the environment names its own."""
+    from infra.validation.runner import container_environment, default_hosts
+
+    if getattr(config.option, "hosts", None) is None:
+        hosts = default_hosts(launch_options(config).stack)
+        if hosts:
+            config.option.hosts = ",".join(hosts)
+    for key, value in container_environment(host_specs(config)).items():
+        os.environ.setdefault(key, value)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -171,11 +188,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     config = stack_config(session.config)
     from infra.validation.loadgen import SloTargets
+    from infra.validation.report import served_by
 
     run = LaunchRun(stack=options.stack, endpoint=options.endpoint, profile=options.profile.name,
                     slo=config.slo.model_dump(), targets=SloTargets.from_stack(config.slo),
                     target_concurrency=min(config.slo.target_concurrency, config.scheduler.max_concurrency),
-                    warmup_fraction=options.profile.warmup_fraction)
+                    warmup_fraction=options.profile.warmup_fraction, server=served_by(options.stack),
+                    hosts=host_specs(session.config))
     session.config.stash[_RUN_KEY] = run
 
 
@@ -274,16 +293,27 @@ def listen_address(stack: Any) -> str:
     return str(stack.local.host) if stack.platform == "local" else "0.0.0.0"
 
 
+def host_specs(config: pytest.Config) -> list[str]:
+    """Testinfra backends of the serving hosts: --hosts (set from the stack when not given, see
+    ``_use_default_hosts``); none for a cloud stack without --hosts."""
+    return [s for s in (config.getoption("hosts", None) or "").split(",") if s]
+
+
+def container_of(hosts: list[str]) -> str | None:
+    """The container name when the one serving host is a podman container (``podman://[user@]NAME``)."""
+    if len(hosts) == 1 and hosts[0].startswith("podman://"):
+        return hosts[0].removeprefix("podman://").rpartition("@")[2]
+    return None
+
+
 @pytest.fixture(scope="session")
 def serving_hosts(request: pytest.FixtureRequest, stack: Any) -> list[str]:
-    """Testinfra backends of the serving hosts: --hosts, or this machine for a local stack. A cloud
-    stack without --hosts has no host to inspect (the operator's machine is not one)."""
-    given = [s for s in (request.config.getoption("hosts", None) or "").split(",") if s]
-    if given:
-        return given
-    if stack.platform == "local":
-        return ["local://"]
-    pytest.skip(f"{stack.platform} stack and no --hosts: pass the serving hosts (ssh://..., kubectl://pod?...)")
+    """Testinfra backends of the serving hosts (``host_specs``). A cloud stack without --hosts has no
+    host to inspect (the operator's machine is not one)."""
+    hosts = host_specs(request.config)
+    if not hosts:
+        pytest.skip(f"{stack.platform} stack and no --hosts: pass the serving hosts (ssh://..., kubectl://pod?...)")
+    return hosts
 
 
 @pytest.fixture(autouse=True)
@@ -365,8 +395,9 @@ def sustained(launch_run: LaunchRun, endpoint: str, api_key: str | None, profile
 
 
 @pytest.fixture(scope="session")
-def ab_arms(options: LaunchOptions, endpoint: str, api_key: str | None, stack: Any, server_port: int,
-            launch_run: LaunchRun, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, str]]:
+def ab_arms(request: pytest.FixtureRequest, options: LaunchOptions, endpoint: str, api_key: str | None, stack: Any,
+            server_port: int, launch_run: LaunchRun,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, str]]:
     """(spec-on endpoint, spec-off endpoint, how they were obtained) for the A/B."""
     from infra.validation.phases import is_speculating
 
@@ -381,6 +412,11 @@ def ab_arms(options: LaunchOptions, endpoint: str, api_key: str | None, stack: A
     if stack.platform != "local":
         pytest.skip("no --ab-endpoint: on a cloud stack fill the idle release slot with speculation flipped "
                     "and pass its URL")
+    flipped = "false" if deployed_on else "true"
+    container = container_of(host_specs(request.config))
+    if container is not None:
+        yield from _container_ab_arms(container, flipped, deployed_on, endpoint, launch_run, tmp_path_factory)
+        return
     import testinfra
 
     from infra.validation.hostfacts import server_pid
@@ -389,7 +425,6 @@ def ab_arms(options: LaunchOptions, endpoint: str, api_key: str | None, stack: A
     pid = server_pid(testinfra.get_host("local://"), server_port)
     if pid is None:
         pytest.skip(f"cannot tell which local process serves port {server_port}")
-    flipped = "false" if deployed_on else "true"
     log = tmp_path_factory.mktemp("ab") / "twin.log"
     try:
         twin = start_twin(pid, {"SPECDEPLOY__SPECULATIVE__ENABLED": flipped}, log)
@@ -399,6 +434,27 @@ def ab_arms(options: LaunchOptions, endpoint: str, api_key: str | None, stack: A
               f"environment with only SPECDEPLOY__SPECULATIVE__ENABLED={flipped} (port {twin.port}); the "
               f"server has no runtime switch, and a twin changes exactly one setting. Phases alternate ABBA, "
               f"one server loaded at a time")
+    launch_run.notes.append(f"A/B: {method}.")
+    try:
+        yield (endpoint, twin.endpoint, method) if deployed_on else (twin.endpoint, endpoint, method)
+    finally:
+        twin.stop()
+
+
+def _container_ab_arms(container: str, flipped: str, deployed_on: bool, endpoint: str, launch_run: LaunchRun,
+                       tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, str]]:
+    """The A/B of a server in a container: a twin container of the same image, mounts and settings."""
+    from infra.ops.local_container import TwinUnavailable, start_twin
+
+    log = tmp_path_factory.mktemp("ab") / "twin.log"
+    try:
+        twin = start_twin(container, {"SPECDEPLOY__SPECULATIVE__ENABLED": flipped}, log)
+    except TwinUnavailable as exc:
+        pytest.skip(f"no A/B possible: {exc}")
+    method = (f"two containers on this host: the deployed {container} and a twin of the same image, mounts "
+              f"and settings with only SPECDEPLOY__SPECULATIVE__ENABLED={flipped} ({twin.endpoint}); the server "
+              f"has no runtime switch, and a twin changes exactly one setting. Phases alternate ABBA, one server "
+              f"loaded at a time")
     launch_run.notes.append(f"A/B: {method}.")
     try:
         yield (endpoint, twin.endpoint, method) if deployed_on else (twin.endpoint, endpoint, method)
