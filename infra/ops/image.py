@@ -5,7 +5,11 @@ make the base image (Debian bookworm, Python 3.11) with mmdebstrap from the apt 
 ``podman build`` serving/Dockerfile on the host network, with the host's pip configuration, wheel
 directories and CA bundle mounted for the build only → print the image size and build time, and
 fail when the size is over budget. ``python -m infra.ops.image scan``: list files the image must not
-carry. ``python -m infra.ops.image size``: the size check alone.
+carry. ``python -m infra.ops.image size``: the size check alone. ``--variant cuda`` builds the GPU image
+from NVIDIA's CUDA base and PyTorch's CUDA wheels instead (needs a registry and PyTorch's index).
+
+``specdeploy image push --stack NAME``: push a built image to the stack's ECR repository, print the
+digest ECR stored, and optionally pin it as a release slot's image in the stack file.
 
 Podman's storage and configuration live in one persistent directory of ours (``$SPECDEPLOY_PODMAN_DIR``,
 default /var/tmp/specdeploy-podman), so a fresh checkout reuses the layer cache; the host's networking is
@@ -15,6 +19,7 @@ never changed (host network only: no bridge, no iptables rules).
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import logging
 import os
@@ -23,10 +28,12 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +51,9 @@ DEBIAN_PACKAGES = (
 # ~0.15 GB. The budget leaves ~15 % for dependency updates; a CUDA torch (several GB) or weights baked
 # in would blow it, which is what it is there to catch.
 SIZE_BUDGET_BYTES = 1_700_000_000
+# Not measured here (no registry): NVIDIA's cudnn-runtime base is ~3.5 GB and torch's CUDA 12.6 wheels
+# with their nvidia-* libraries ~5 GB installed. Replace with the first measured build plus ~15 %.
+CUDA_SIZE_BUDGET_BYTES = 12_000_000_000
 # Paths (inside the image) that must not exist, and file names that must not appear anywhere.
 FORBIDDEN_PATHS = ("/opt/specdeploy/app/infra", "/opt/specdeploy/app/tests", "/opt/specdeploy/app/serving/demo",
                    "/etc/pip.conf", "/etc/xdg/pip", "/root/.pip", "/root/.config/pip", "/root/.cache/pip",
@@ -57,6 +67,28 @@ SECRET_SCAN_ROOTS = ("etc/", "home/", "root/", "opt/specdeploy/app/", "tmp/", "r
 
 class ImageError(Exception):
     """An image step failed; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One flavour of the server image: what it is built from and how large it may be."""
+
+    name: str
+    base_image: str | None  # None: the local Debian base made by mmdebstrap (no registry needed)
+    torch_index_url: str  # empty: pip's own configuration (the host's wheel directory)
+    size_budget: int
+
+    @property
+    def local_tag(self) -> str:
+        return f"localhost/specdeploy-server:{self.name}"
+
+
+VARIANTS = {
+    "cpu": Variant("cpu", None, "", SIZE_BUDGET_BYTES),
+    # serving/Dockerfile's documented CUDA build; GPU stacks (aws, kubernetes with GPUs) run only this one.
+    "cuda": Variant("cuda", "docker.io/nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04",
+                    "https://download.pytorch.org/whl/cu126", CUDA_SIZE_BUDGET_BYTES),
+}
 
 
 # ---- podman, configured under our own directory ------------------------------------------------------
@@ -99,11 +131,14 @@ def _hard_nofile() -> int:
     return hard if hard != resource.RLIM_INFINITY else 1048576
 
 
-def podman(*args: str, check: bool = True, capture: bool = False, timeout: float | None = None) -> str:
-    """Run podman with our configuration; the error names the command and shows its output."""
+def podman(*args: str, check: bool = True, capture: bool = False, timeout: float | None = None,
+           stdin: str | None = None) -> str:
+    """Run podman with our configuration; the error names the command and shows its output.
+
+    ``stdin`` is written to podman's standard input (a registry password, never an argument)."""
     if shutil.which("podman") is None:
         raise ImageError("podman is not installed (`make image` installs it from Debian)")
-    result = subprocess.run(["podman", *args], env=podman_env(), text=True, timeout=timeout,
+    result = subprocess.run(["podman", *args], env=podman_env(), text=True, timeout=timeout, input=stdin,
                             stdout=subprocess.PIPE if capture else None,
                             stderr=subprocess.PIPE if capture else None)
     if check and result.returncode != 0:
@@ -229,21 +264,27 @@ def build_mounts(settings: dict[str, str]) -> BuildMounts:
     return BuildMounts(pip_conf=conf, volumes=tuple(volumes))
 
 
-def build(tag: str = IMAGE, no_cache: bool = False) -> tuple[float, int]:
-    """Build serving/Dockerfile against the local base; (seconds, image bytes)."""
-    mounts = build_mounts(host_pip_config())
+def build_args(tag: str, variant: Variant, mounts: BuildMounts, no_cache: bool = False) -> list[str]:
+    """podman's arguments to build serving/Dockerfile as ``variant``, tagged ``tag``."""
     args = ["build", "--format", "docker", "--network", "host", "--layers",
             "-f", str(REPO / "serving" / "Dockerfile"),
             "--ignorefile", str(REPO / "serving" / "Dockerfile.dockerignore"),
-            "--build-arg", f"BASE_IMAGE={BASE_IMAGE}",
-            "--build-arg", "TORCH_INDEX_URL=",  # the CPU wheel comes from the host's wheel directory
+            "--build-arg", f"BASE_IMAGE={variant.base_image or BASE_IMAGE}",
+            # cpu: empty, the wheel comes from the host's wheel directory; cuda: PyTorch's CUDA index
+            "--build-arg", f"TORCH_INDEX_URL={variant.torch_index_url}",
             "--build-arg", f"PIP_CONFIG_FILE={BUILD_HOST_DIR}/pip/pip.conf",
             *[item for volume in mounts.volumes for item in ("-v", volume)],
             "-t", tag]
     if no_cache:
         args.append("--no-cache")
+    return [*args, str(REPO)]
+
+
+def build(tag: str = IMAGE, no_cache: bool = False, variant: Variant = VARIANTS["cpu"]) -> tuple[float, int]:
+    """Build serving/Dockerfile (against the local base for cpu); (seconds, image bytes)."""
+    mounts = build_mounts(host_pip_config())
     started = time.monotonic()
-    podman(*args, str(REPO))
+    podman(*build_args(tag, variant, mounts, no_cache))
     return time.monotonic() - started, image_size(tag)
 
 
@@ -298,52 +339,218 @@ def scan_filesystem(archive: Path) -> list[str]:
     return sorted(set(findings))
 
 
+# ---- push to a stack's ECR repository -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PushTarget:
+    """The stack's ECR repository in the account the credentials belong to."""
+
+    account: str
+    region: str
+    repository: str
+
+    @property
+    def registry(self) -> str:
+        return f"{self.account}.dkr.ecr.{self.region}.amazonaws.com"
+
+    @property
+    def uri(self) -> str:
+        return f"{self.registry}/{self.repository}"
+
+
+@dataclass(frozen=True)
+class Pushed:
+    image: str  # <registry>/<repository>@sha256:<digest>, what a release slot pins
+    tag: str  # the immutable tag pushed beside it
+
+
+def _aws_code(exc: Exception) -> str:
+    response: dict[str, Any] = getattr(exc, "response", None) or {}
+    return str(response.get("Error", {}).get("Code", ""))
+
+
+def push_target(sts: Any, ecr: Any, stack: str, region: str, repository: str) -> PushTarget:
+    """Who we are (sts) and that the stack's repository exists; errors say what to do about each."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        account = str(sts.get_caller_identity()["Account"])
+    except (BotoCoreError, ClientError) as exc:
+        raise ImageError(f"AWS credentials failed (sts get-caller-identity): {exc}; configure credentials "
+                         f"for stack {stack!r}'s account (AWS_PROFILE, or the pipeline's role)") from None
+    try:
+        ecr.describe_repositories(repositoryNames=[repository])
+    except ClientError as exc:
+        if _aws_code(exc) == "RepositoryNotFoundException":
+            raise ImageError(f"ECR repository {repository!r} does not exist in account {account}, {region}: run "
+                             f"`pulumi up --stack {stack}` first (the bootstrap creates it with the fleet at 0)"
+                             ) from None
+        raise ImageError(f"ECR describe-repositories {repository!r} failed: {exc}") from None
+    except BotoCoreError as exc:
+        raise ImageError(f"ECR describe-repositories {repository!r} failed: {exc}") from None
+    return PushTarget(account, region, repository)
+
+
+def registry_credentials(ecr: Any) -> tuple[str, str]:
+    """(user, password) for ``podman login`` from ECR's authorization token (base64 of ``user:password``)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        data = ecr.get_authorization_token()["authorizationData"][0]
+    except (BotoCoreError, ClientError) as exc:
+        raise ImageError(f"ECR get-authorization-token failed: {exc}") from None
+    user, sep, password = base64.b64decode(data["authorizationToken"]).decode().partition(":")
+    if not sep or not password:
+        raise ImageError("ECR returned an authorization token that is not user:password")
+    return user, password
+
+
+def login_args(target: PushTarget, user: str, auth_file: Path) -> list[str]:
+    """podman login; the password goes to standard input, never onto the command line."""
+    return ["login", "--authfile", str(auth_file), "--username", user, "--password-stdin", target.registry]
+
+
+def push_args(local: str, target: PushTarget, tag: str, auth_file: Path, digest_file: Path) -> list[str]:
+    """podman push of ``local`` to ``<repository>:<tag>``; podman writes the manifest digest ECR stores."""
+    return ["push", "--authfile", str(auth_file), "--digestfile", str(digest_file), local, f"{target.uri}:{tag}"]
+
+
+def remote_tag(variant: Variant, now: float | None = None) -> str:
+    """A tag never used before (the repository's tags are immutable): variant, UTC time, commit."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"],
+                            capture_output=True, text=True)
+    suffix = f"-{commit.stdout.strip()}" if commit.returncode == 0 and commit.stdout.strip() else ""
+    return f"{variant.name}-{stamp}{suffix}"
+
+
+PodmanRunner = Callable[..., str]
+
+
+def push(local: str, target: PushTarget, ecr: Any, tag: str, run: PodmanRunner | None = None,
+         exists: Callable[[str], bool] | None = None) -> Pushed:
+    """Log in with a throw-away auth file, push, and confirm ECR holds the digest podman reported.
+
+    ``run`` and ``exists`` default to podman itself (tests give a registry double)."""
+    from infra.components.aws.release_artifacts import missing_image
+
+    run = run or podman
+    if not (exists or image_exists)(local):
+        raise ImageError(f"image {local} is not built here: run `make image` (cpu) or "
+                         f"`specdeploy image build --variant cuda` first")
+    user, password = registry_credentials(ecr)
+    with tempfile.TemporaryDirectory(prefix="specdeploy-push-") as scratch:
+        auth_file, digest_file = Path(scratch) / "auth.json", Path(scratch) / "digest"
+        run(*login_args(target, user, auth_file), stdin=password, capture=True)
+        run(*push_args(local, target, tag, auth_file, digest_file))
+        digest = digest_file.read_text().strip() if digest_file.is_file() else ""
+    if not re.fullmatch(r"sha256:[0-9a-f]{64}", digest):
+        raise ImageError(f"podman push reported no image digest (got {digest!r})")
+    image = f"{target.uri}@{digest}"
+    reason = missing_image(ecr, image)
+    if reason:
+        raise ImageError(f"pushed, but ECR does not list it: {reason}")
+    return Pushed(image=image, tag=tag)
+
+
 # ---- command line --------------------------------------------------------------------------------------
 
 
-def _build_command(args: argparse.Namespace) -> int:
-    ensure_tools()
-    base_s = make_base(force=args.rebuild_base)
-    seconds, size = build(args.tag, no_cache=args.no_cache)
-    base = f" + base {base_s:.0f}s" if base_s else " (base cached)"
+def pin_slot(stack_path: Path, slot: str, image: str) -> bool:
+    """Make release.<slot>.image in the stack file ``image`` (nothing else changes); False if it already was."""
+    import yaml
+
+    from infra.config import ConfigError, ReleaseSpec, parse_stack_mapping
+    from infra.ops.release.model import ReleaseError
+    from infra.ops.release.stackfile import write_release
+
+    document = yaml.safe_load(stack_path.read_text(encoding="utf-8")) or {}
+    try:
+        config, _, _ = parse_stack_mapping(document.get("config") or {}, source=str(stack_path))
+        release = config.slots
+        spec = release.slot(slot)
+        if spec is None:
+            raise ImageError(f"{stack_path}: release.{slot} is not defined; pin the image of a defined slot, or "
+                             f"start a release into {slot} with `specdeploy rollout`")
+        updated = ReleaseSpec.model_validate(
+            {**release.model_dump(), slot: {**spec.model_dump(), "image": image}})
+        return write_release(stack_path, updated)
+    except (ConfigError, ReleaseError, ValueError) as exc:
+        raise ImageError(f"cannot pin release.{slot}.image: {exc}") from None
+
+
+def _variant(args: argparse.Namespace) -> Variant:
+    return VARIANTS[args.variant]
+
+
+def _tag(args: argparse.Namespace) -> str:
+    return str(args.tag or _variant(args).local_tag)
+
+
+def build_command(args: argparse.Namespace) -> int:
+    variant, tag = _variant(args), _tag(args)
+    if variant.base_image is None:
+        ensure_tools()
+        base_s = make_base(force=args.rebuild_base)
+        base = f" + base {base_s:.0f}s" if base_s else " (base cached)"
+    else:  # the base comes from its registry: podman alone
+        if shutil.which("podman") is None:
+            raise ImageError(f"podman is not installed (needed to build the {variant.name} image)")
+        base = f" (base {variant.base_image})"
+    seconds, size = build(tag, no_cache=args.no_cache, variant=variant)
     logger.info("image %s: %.2f GB (budget %.2f GB), built in %.0fs%s",
-                args.tag, size / 1e9, SIZE_BUDGET_BYTES / 1e9, seconds, base)
-    sys.stdout.write(f"image {args.tag}: size {size / 1e9:.2f} GB (budget {SIZE_BUDGET_BYTES / 1e9:.2f} GB), "
+                tag, size / 1e9, variant.size_budget / 1e9, seconds, base)
+    sys.stdout.write(f"image {tag}: size {size / 1e9:.2f} GB (budget {variant.size_budget / 1e9:.2f} GB), "
                      f"build {seconds:.0f}s{base}\n")
-    check_size(size)
+    check_size(size, variant.size_budget)
     return 0
 
 
-def _scan_command(args: argparse.Namespace) -> int:
+def scan_command(args: argparse.Namespace) -> int:
+    tag = _tag(args)
     archive = PODMAN_DIR / "scan.tar"
     try:
-        findings = scan_filesystem(export_filesystem(args.tag, archive))
+        findings = scan_filesystem(export_filesystem(tag, archive))
     finally:
         archive.unlink(missing_ok=True)
     for finding in findings:
         sys.stdout.write(finding + "\n")
-    sys.stdout.write(f"scan of {args.tag}: {len(findings)} finding(s)\n")
+    sys.stdout.write(f"scan of {tag}: {len(findings)} finding(s)\n")
     return 1 if findings else 0
 
 
-def _size_command(args: argparse.Namespace) -> int:
-    size = image_size(args.tag)
-    sys.stdout.write(f"image {args.tag}: {size / 1e9:.2f} GB (budget {SIZE_BUDGET_BYTES / 1e9:.2f} GB)\n")
-    check_size(size)
+def size_command(args: argparse.Namespace) -> int:
+    variant, tag = _variant(args), _tag(args)
+    size = image_size(tag)
+    sys.stdout.write(f"image {tag}: {size / 1e9:.2f} GB (budget {variant.size_budget / 1e9:.2f} GB)\n")
+    check_size(size, variant.size_budget)
     return 0
+
+
+def add_image_arguments(parser: argparse.ArgumentParser, default_variant: str | None = "cpu") -> None:
+    """--variant and --tag, shared by every image subcommand (here and `specdeploy image`)."""
+    parser.add_argument("--variant", choices=sorted(VARIANTS), default=default_variant,
+                        help=f"image variant (default {default_variant or 'from the stack'})")
+    parser.add_argument("--tag", default=None,
+                        help="local image name (default localhost/specdeploy-server:<variant>)")
+
+
+def add_build_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-cache", action="store_true", help="rebuild every layer")
+    parser.add_argument("--rebuild-base", action="store_true", help="remake the Debian base image (cpu)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m infra.ops.image", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    build_parser = sub.add_parser("build", help="build the CPU server image with podman")
-    build_parser.add_argument("--no-cache", action="store_true", help="rebuild every layer")
-    build_parser.add_argument("--rebuild-base", action="store_true", help="remake the Debian base image")
-    build_parser.set_defaults(func=_build_command)
-    sub.add_parser("scan", help="fail on secrets or unwanted files in the image").set_defaults(func=_scan_command)
-    sub.add_parser("size", help="fail when the image is over its size budget").set_defaults(func=_size_command)
+    build_parser = sub.add_parser("build", help="build the server image with podman (cpu or cuda)")
+    add_build_arguments(build_parser)
+    build_parser.set_defaults(func=build_command)
+    sub.add_parser("scan", help="fail on secrets or unwanted files in the image").set_defaults(func=scan_command)
+    sub.add_parser("size", help="fail when the image is over its size budget").set_defaults(func=size_command)
     for child in sub.choices.values():
-        child.add_argument("--tag", default=IMAGE, help=f"image name (default {IMAGE})")
+        add_image_arguments(child)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:

@@ -21,6 +21,7 @@ from serving import __version__
 COMMAND_MODULES: tuple[str, ...] = (
     "config_cmd",
     "weights_cmd",
+    "image_cmd",
     "serve_cmd",
     "local_cmd",
     "plan_cmd",
