@@ -45,7 +45,13 @@ def serve(config: str | None, host: str | None = None, port: int | None = None) 
 
     from serving.main import run
 
-    return run(settings)
+    code = run(settings)
+    # The server has drained and shut down (engine stopped, lifespan done). Interpreter teardown with torch
+    # loaded takes seconds, which would break the drain contract (exit within grace + 1 s): leave now.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

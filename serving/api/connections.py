@@ -47,28 +47,37 @@ class ConnectionLimits:
 
 @dataclass
 class ConnectionGuard:
-    """Which open connections (by peer address) have authenticated; shared by the protocol and the app."""
+    """Which open connections (by peer address) have authenticated; shared by the protocol and the app.
+
+    At the cap a new connection evicts the oldest unauthenticated one that is idle between requests or
+    still sending headers (a slow client holds its slot only until someone needs it); if every one is
+    mid-request the new connection gets a 503."""
 
     limits: ConnectionLimits
-    unauthenticated: set[tuple[str, int]] = field(default_factory=set)
+    unauthenticated: dict[tuple[str, int], Any] = field(default_factory=dict)  # peer -> protocol, oldest first
     authenticated_peers: set[tuple[str, int]] = field(default_factory=set)
     refused_total: int = 0
+    evicted_total: int = 0
 
-    def opened(self, peer: tuple[str, int]) -> bool:
+    def opened(self, peer: tuple[str, int], protocol: Any) -> bool:
         if len(self.unauthenticated) >= self.limits.max_unauthenticated:
-            self.refused_total += 1
-            return False
-        self.unauthenticated.add(peer)
+            victim = next((p for p in self.unauthenticated.values() if p.evictable()), None)
+            if victim is None:
+                self.refused_total += 1
+                return False
+            self.evicted_total += 1
+            victim.evict()
+        self.unauthenticated[peer] = protocol
         return True
 
     def authenticated(self, peer: Any) -> None:
         key = tuple(peer) if peer else None
         if key in self.unauthenticated:
-            self.unauthenticated.discard(key)  # type: ignore[arg-type]
+            del self.unauthenticated[key]  # type: ignore[arg-type]
             self.authenticated_peers.add(key)  # type: ignore[arg-type]
 
     def closed(self, peer: tuple[str, int]) -> None:
-        self.unauthenticated.discard(peer)
+        self.unauthenticated.pop(peer, None)
         self.authenticated_peers.discard(peer)
 
 
@@ -91,7 +100,7 @@ def protocol_class(guard: ConnectionGuard) -> type[H11Protocol]:
             super().connection_made(transport)
             self._peer = tuple(self.client) if self.client else ("?", id(self))  # type: ignore[assignment]
             assert self._peer is not None
-            if not guard.opened(self._peer):
+            if not guard.opened(self._peer, self):
                 self._peer = None
                 payload = json.dumps(error_body(503, "too many connections without an authenticated request",
                                                 code="too_many_connections")).encode()
@@ -101,6 +110,17 @@ def protocol_class(guard: ConnectionGuard) -> type[H11Protocol]:
                 transport.close()
                 return
             self._arm_header_timer()
+
+        def evictable(self) -> bool:
+            """Between requests or still sending headers: nothing of ours runs on this connection."""
+            return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
+
+        def evict(self) -> None:
+            if self._peer is not None:
+                guard.closed(self._peer)
+                self._peer = None
+            self._disarm_header_timer()
+            self.transport.close()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm_header_timer()

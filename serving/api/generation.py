@@ -135,6 +135,7 @@ class GenerationRun:
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self._primed: tuple[AsyncIterator[RequestOutput], RequestOutput] | None = None
+        self._closing: asyncio.Future[None] | None = None
         log_fields["prompt_tokens"] = self.prompt_tokens
 
     async def prime(self) -> None:
@@ -144,9 +145,14 @@ class GenerationRun:
         self._primed = (stream, await anext(stream))
 
     async def close(self) -> None:
-        """Release a primed stream that was never consumed (its client left before the first byte)."""
-        if self._primed is not None:
-            await _close(self._primed[0])
+        """Release a primed stream (its client left before the first byte, or the response is over). Safe
+        to call from several places at once (the response's end and the outputs' finalizer): one close runs,
+        the others wait for it — a second aclose() of a generator still closing raises RuntimeError."""
+        if self._primed is None:
+            return
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(_close(self._primed[0]))
+        await asyncio.shield(self._closing)
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         if self._primed is None:
@@ -160,7 +166,7 @@ class GenerationRun:
                 async for output in stream:
                     yield output
         finally:
-            await _close(stream)
+            await self.close()
 
     async def _generate(self) -> AsyncIterator[RequestOutput]:
         timeout = self.state.settings.config.scheduler.request_timeout_s
