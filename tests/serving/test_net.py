@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
 from serving.net import NotReady, free_port, wait_until_ready
+from tests.loopback import loopback_http, reply_json
 
 
 def test_free_port_can_be_bound() -> None:
@@ -29,24 +28,13 @@ def scripted_ready() -> Iterator[tuple[str, list[tuple[int, dict[str, object]]]]
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
             status, body = script.pop(0) if len(script) > 1 else script[0]
-            payload = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
+            reply_json(self, status, body)
 
         def log_message(self, *args: object) -> None:
             pass
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}", script
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    with loopback_http(Handler) as url:
+        yield url, script
 
 
 def _not_ready(phase: str, failed: bool = False) -> tuple[int, dict[str, object]]:

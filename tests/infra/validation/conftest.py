@@ -15,10 +15,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import pytest
+
+from tests.loopback import loopback_http, reply_json
 
 MODEL = "fake-model"
 MAX_INPUT = 1536
@@ -54,12 +56,7 @@ class Handler(BaseHTTPRequestHandler):
         return
 
     def _json(self, status: int, payload: dict[str, Any]) -> None:
-        body = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        reply_json(self, status, payload)
 
     def _error(self, status: int, message: str) -> None:
         self._json(status, {"error": {"message": message, "type": "invalid_request_error", "param": None,
@@ -160,16 +157,8 @@ class Handler(BaseHTTPRequestHandler):
 def fake_server(faults: Faults | None = None) -> Iterator[tuple[str, FakeState]]:
     """Serve on a free loopback port; yields (endpoint, state)."""
     state = FakeState(faults or Faults())
-    handler = type("BoundHandler", (Handler,), {"state": state})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", state
-    finally:
-        server.shutdown()
-        server.server_close()
+    with loopback_http(type("BoundHandler", (Handler,), {"state": state})) as url:
+        yield url, state
 
 
 @pytest.fixture

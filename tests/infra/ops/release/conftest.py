@@ -6,9 +6,8 @@ from __future__ import annotations
 import shutil
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import pytest
 from infra.alerts import alert_rules
 from infra.config import load_stack, project_stacks_dir
 from serving import metric_names as m
+from tests.loopback import loopback_http
 
 GREEN = {
     "image": "123456789012.dkr.ecr.us-east-1.amazonaws.com/specdeploy-server@sha256:" + "4" * 64,
@@ -193,20 +193,6 @@ def slot_server() -> Iterator[SlotServer]:
     with loopback_http(Handler) as url:
         slot.url = url
         yield slot
-
-
-@contextmanager
-def loopback_http(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
-    """Serve ``handler`` on a free loopback port in a thread; yields the base URL."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
 
 
 @pytest.fixture

@@ -33,8 +33,9 @@ from infra.ops.release.kubernetes import (
     split_routing,
 )
 from infra.ops.release.model import weights_to
+from tests.loopback import loopback_http, reply_json
 
-from .conftest import SlotServer, loopback_http
+from .conftest import SlotServer
 
 FAST = ["--observe", "0.5s", "--poll", "0.1s", "--skip-validation"]
 
@@ -152,12 +153,7 @@ def api_server(rendered: list[dict[str, Any]]) -> Iterator[FakeApiServer]:
 
     class Handler(BaseHTTPRequestHandler):
         def _reply(self, status: int, body: Any) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            reply_json(self, status, body)
 
         def do_GET(self) -> None:  # noqa: N802
             url = urlparse(self.path)
