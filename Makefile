@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 # Default test run: everything except the long soak and GPU-only tests.
 PYTEST_ARGS ?= -m "not soak and not gpu"
 
-.PHONY: demo test lint soak gpu-test gpu-check clean image image-test
+.PHONY: demo test lint soak fuzz gpu-test gpu-check clean image image-test
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,10 @@ demo: $(STAMP)
 
 soak: $(STAMP)
 	$(BIN)/pytest -m soak
+
+# The API fuzz alone (also part of `make test`): hypothesis against the served /openapi.json, ~1 minute.
+fuzz: $(STAMP)
+	$(BIN)/pytest -s tests/serving/chaos/test_fuzz.py
 
 gpu-test: $(STAMP)
 	$(BIN)/pytest -m gpu
