@@ -79,91 +79,130 @@ def group_sequences(q_lens: list[int], ctx_lens: list[int]) -> list[list[int]]:
     return groups
 
 
+class ForwardBatchBuilder:
+    """Builds a step's ForwardBatch with per-sequence (never per-token) Python and a handful of tensor ops.
+
+    Kept for the life of an engine: the index ramps every step needs (token offsets, key positions) are made
+    once and sliced, instead of a new arange per group per step."""
+
+    def __init__(self, block_size: int, n_rep: int, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+        self.block_size, self.n_rep, self.device, self.dtype = block_size, n_rep, device, dtype
+        self._ramp = torch.arange(0)  # 0, 1, 2, ... on the CPU, grown on demand
+
+    def ramp(self, n: int) -> torch.Tensor:
+        if n > self._ramp.shape[0]:
+            self._ramp = torch.arange(max(n, 2 * self._ramp.shape[0], 1024), dtype=torch.long)
+        return self._ramp[:n]
+
+    def build(self, seqs: list[SequenceInput]) -> ForwardBatch:
+        """Lay the sequences out group by group and precompute slots, block tables and masks."""
+        bs = self.block_size
+        q_lens = [len(s.token_ids) for s in seqs]
+        ctx_lens = [s.start_pos + q for s, q in zip(seqs, q_lens, strict=True)]
+        grouping = group_sequences(q_lens, ctx_lens)
+        order = [i for members in grouping for i in members]  # sequences in flat-row order
+
+        # per sequence, in flat order: query length, first position, first flat row, padded block table
+        q_t = torch.tensor([q_lens[i] for i in order], dtype=torch.long)  # [S]
+        start_t = torch.tensor([seqs[i].start_pos for i in order], dtype=torch.long)  # [S]
+        row_t = q_t.cumsum(0) - q_t  # [S]
+        max_blocks = -(-max(ctx_lens) // bs)
+        tables = torch.tensor([_padded(seqs[i].block_table, -(-ctx_lens[i] // bs), max_blocks) for i in order],
+                              dtype=torch.long)  # [S, max_blocks]
+
+        num_tokens = sum(q_lens)
+        if num_tokens == len(seqs):  # decode only: one token per sequence, so a per-sequence list is cheapest
+            starts = [seqs[i].start_pos for i in order]
+            positions = torch.tensor(starts, dtype=torch.long)
+            slot_list = [seqs[i].block_table[p // bs] * bs + p % bs for i, p in zip(order, starts, strict=True)]
+            slots = torch.tensor(slot_list, dtype=torch.long)
+        else:  # every token's position and slot from per-sequence tensors, no per-token Python
+            seq_of_row = torch.repeat_interleave(self.ramp(len(seqs)), q_t)  # [T]
+            positions = start_t[seq_of_row] + self.ramp(num_tokens) - row_t[seq_of_row]
+            slots = tables[seq_of_row].gather(1, (positions // bs)[:, None]).squeeze(1) * bs + positions % bs
+
+        row_of = [0] * len(seqs)  # first flat row of each sequence, by request index
+        groups: list[AttentionGroup] = []
+        first = row = 0
+        for members in grouping:
+            token_start = row
+            for i in members:
+                row_of[i] = row
+                row += q_lens[i]
+            groups.append(self._group(members, first, q_lens, ctx_lens, token_start, row, q_t, start_t, row_t,
+                                      tables))
+            first += len(members)
+
+        flat_ids = [t for i in order for t in seqs[i].token_ids]
+        logits_rows = [row_of[i] + off for i, s in enumerate(seqs) for off in s.logits_offsets]
+        device = self.device
+        return ForwardBatch(
+            input_ids=torch.tensor(flat_ids, dtype=torch.long).to(device),
+            positions=positions.to(device),
+            slot_mapping=slots.to(device),
+            groups=groups,
+            logits_index=torch.tensor(logits_rows, dtype=torch.long).to(device),
+        )
+
+    def _group(
+        self,
+        members: list[int],
+        first: int,
+        q_lens: list[int],
+        ctx_lens: list[int],
+        token_start: int,
+        token_end: int,
+        q_t: torch.Tensor,
+        start_t: torch.Tensor,
+        row_t: torch.Tensor,
+        tables: torch.Tensor,
+    ) -> AttentionGroup:
+        """members: request indices; they are sequences [first, first + G) of the flat-order tensors."""
+        num = len(members)
+        sl = slice(first, first + num)
+        max_q = max(q_lens[i] for i in members)
+        key_len = max(ctx_lens[i] for i in members)
+        uniform = all(q_lens[i] == max_q for i in members)
+        offsets = self.ramp(max_q)
+        valid = None if uniform else offsets[None, :] < q_t[sl, None]  # [G, max_q]
+
+        mask = None
+        if not (num == 1 and max_q == 1):  # a lone decode token sees its whole context: no mask needed
+            # padded query slots get position 0 so their mask row is never empty (no NaN); their output is dropped
+            q_pos = start_t[sl, None] + offsets[None, :]  # [G, max_q]
+            if valid is not None:
+                q_pos = torch.where(valid, q_pos, 0)
+            allowed = self.ramp(key_len)[None, None, :] <= q_pos[:, :, None]  # [G, max_q, K]: causal
+            # SDPA would turn a bool mask into an additive one in every layer; do it once here
+            additive = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, float("-inf"))
+            mask = additive[:, None, None].expand(num, 1, self.n_rep, max_q, key_len)
+            mask = mask.reshape(num, 1, self.n_rep * max_q, key_len).to(self.device)
+
+        query_index = valid_index = None
+        if valid is not None:
+            query_index = torch.where(valid, row_t[sl, None] + offsets[None, :], 0).reshape(-1).to(self.device)
+            valid_index = valid.reshape(-1).nonzero().squeeze(1).to(self.device)
+        return AttentionGroup(
+            token_start=token_start,
+            token_end=token_end,
+            num_seqs=num,
+            max_q=max_q,
+            uniform=uniform,
+            query_index=query_index,
+            valid_index=valid_index,
+            block_tables=tables[sl, : -(-key_len // self.block_size)].to(self.device),
+            key_len=key_len,
+            mask=mask,
+        )
+
+
+def _padded(table: list[int], num_blocks: int, width: int) -> list[int]:
+    """The first num_blocks entries of a block table, padded with block 0 to width (padding is masked out)."""
+    return table[:num_blocks] + [0] * (width - num_blocks)
+
+
 def build_forward_batch(
     seqs: list[SequenceInput], block_size: int, n_rep: int, device: torch.device, dtype: torch.dtype = torch.float32
 ) -> ForwardBatch:
-    """Lay the sequences out group by group and precompute slots, block tables and masks."""
-    q_lens = [len(s.token_ids) for s in seqs]
-    ctx_lens = [s.start_pos + q for s, q in zip(seqs, q_lens, strict=True)]
-    grouping = group_sequences(q_lens, ctx_lens)
-
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    row_of: list[int] = [0] * len(seqs)  # first flat row of each sequence
-    groups: list[AttentionGroup] = []
-    for members in grouping:
-        token_start = len(input_ids)
-        for i in members:
-            s = seqs[i]
-            row_of[i] = len(input_ids)
-            input_ids.extend(s.token_ids)
-            pos = range(s.start_pos, s.start_pos + len(s.token_ids))
-            positions.extend(pos)
-            table = s.block_table
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in pos)
-        groups.append(
-            _build_group(seqs, members, q_lens, ctx_lens, token_start, len(input_ids), block_size, n_rep,
-                         device, dtype)
-        )
-
-    logits_rows = [row_of[i] + off for i, s in enumerate(seqs) for off in s.logits_offsets]
-    return ForwardBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        groups=groups,
-        logits_index=torch.tensor(logits_rows, dtype=torch.long, device=device),
-    )
-
-
-def _build_group(
-    seqs: list[SequenceInput],
-    members: list[int],
-    q_lens: list[int],
-    ctx_lens: list[int],
-    token_start: int,
-    token_end: int,
-    block_size: int,
-    n_rep: int,
-    device: torch.device,
-    dtype: torch.dtype,
-) -> AttentionGroup:
-    num = len(members)
-    max_q = max(q_lens[i] for i in members)
-    key_len = max(ctx_lens[i] for i in members)
-    max_blocks = -(-key_len // block_size)
-    tables = [seqs[i].block_table[:max_blocks] for i in members]
-    tables = [t + [0] * (max_blocks - len(t)) for t in tables]
-    uniform = all(q_lens[i] == max_q for i in members)
-
-    offsets = torch.arange(max_q, dtype=torch.long)
-    valid = offsets[None, :] < torch.tensor([q_lens[i] for i in members])[:, None]  # [G, max_q]
-    mask = None
-    if not (num == 1 and max_q == 1):  # a lone decode token sees its whole context: no mask needed
-        start_t = torch.tensor([seqs[i].start_pos for i in members], dtype=torch.long)
-        # padded query slots get position 0 so their mask row is never empty (no NaN); their output is dropped
-        q_pos = torch.where(valid, start_t[:, None] + offsets[None, :], 0)  # [G, max_q]
-        allowed = torch.arange(key_len)[None, None, :] <= q_pos[:, :, None]  # [G, max_q, K]: causal
-        # SDPA would turn a bool mask into an additive one in every layer; do it once here
-        additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
-        mask = additive[:, None, None].expand(num, 1, n_rep, max_q, key_len)
-        mask = mask.reshape(num, 1, n_rep * max_q, key_len).to(device)
-
-    query_index = valid_index = None
-    if not uniform:
-        row_starts = torch.tensor([0] + [q_lens[i] for i in members[:-1]], dtype=torch.long).cumsum(0) + token_start
-        query_index = torch.where(valid, row_starts[:, None] + offsets[None, :], 0).reshape(-1).to(device)
-        valid_index = valid.reshape(-1).nonzero().squeeze(1).to(device)
-    return AttentionGroup(
-        token_start=token_start,
-        token_end=token_end,
-        num_seqs=num,
-        max_q=max_q,
-        uniform=uniform,
-        query_index=query_index,
-        valid_index=valid_index,
-        block_tables=torch.tensor(tables, dtype=torch.long, device=device),
-        key_len=key_len,
-        mask=mask,
-    )
+    """One-off build (a builder kept across steps reuses its index ramps; see ForwardBatchBuilder)."""
+    return ForwardBatchBuilder(block_size, n_rep, device, dtype).build(seqs)

@@ -19,6 +19,7 @@ import torch
 
 from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine
+from serving.engine.step_profile import StepBreakdown, profile_steps
 from serving.engine.types import GenerationRequest, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class EngineBenchReport:
     repeats: int = 1  # rounds over all systems; each result is the best of its rounds
     results: list[RunResult] = field(default_factory=list)
     ratios: dict[str, float] = field(default_factory=dict)
+    breakdown: list[StepBreakdown] = field(default_factory=list)  # where a step's time goes, at c=1 and the top c
     profile: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -188,6 +190,10 @@ def run_engine_benchmark(
     report.results = sorted(best.values(), key=lambda r: (_SYSTEMS.index(r.system), r.concurrency))
     report.repeats = max(repeats, 1)
     report.ratios = compute_ratios(report, max_c)
+    # a separate timed run per concurrency: the throughput figures above stay free of the timers
+    for c in sorted({1, max_c}):
+        run = functools.partial(bench_engine, engine, prompts, c, output_len)
+        report.breakdown.append(profile_steps(engine, run, c))
     if profile:
         report.profile = profile_engine(engine, prompts, [1, max_c], min(output_len, 32))
     return report

@@ -226,3 +226,25 @@ def _print_table(report: Any, concurrencies: list[int]) -> None:
     console.print(table)
     for name, value in report.ratios.items():
         console.print(f"{name}: {value:.2f}x")
+    _print_breakdown(console, report.breakdown)
+
+
+def _print_breakdown(console: Any, breakdown: list[Any]) -> None:
+    """Where a step's time goes: Python (scheduling, metadata), attention, matmuls, sampling (, drafting)."""
+    from rich.table import Table
+
+    if not breakdown:
+        return
+    phases = ["python", "attention", "matmuls", "sampling"]
+    if any(b.drafting_ms for b in breakdown):
+        phases.append("drafting")
+    table = Table(title="step time split (ms per step, share of the step; separate timed runs)")
+    table.add_column("system")
+    table.add_column("c", justify="right")
+    table.add_column("step ms", justify="right")
+    for phase in phases:
+        table.add_column(phase, justify="right")
+    for b in breakdown:
+        table.add_row(getattr(b, "system", "engine"), str(b.concurrency), f"{b.step_ms:.2f}",
+                      *(f"{getattr(b, phase + '_ms'):.2f} ({b.share(phase):.0%})" for phase in phases))
+    console.print(table)

@@ -1,12 +1,16 @@
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from infra.ops.cli.main import main
 from serving.engine.benchmark import run_engine_benchmark
+from serving.engine.step_profile import StepTimer
+from serving.engine.types import SamplingParams
 
 
 def test_engine_benchmark_measures_engine_and_transformers(llama_dir: Path) -> None:
@@ -15,6 +19,27 @@ def test_engine_benchmark_measures_engine_and_transformers(llama_dir: Path) -> N
     assert {("engine", 1), ("engine", 2), ("hf_generate", 1), ("hf_generate_padded", 2)} <= systems
     assert all(r.output_tokens == 4 * r.concurrency for r in report.results if r.tokens_per_s > 0)
     assert "engine_c1_over_hf_generate_b1" in report.ratios and "engine_c2_over_engine_c1" in report.ratios
+    assert [b.concurrency for b in report.breakdown] == [1, 2]
+    for b in report.breakdown:
+        assert b.steps >= 4 and b.python_ms > 0 and b.attention_ms > 0 and b.matmuls_ms > 0 and b.sampling_ms > 0
+        parts = b.python_ms + b.attention_ms + b.matmuls_ms + b.sampling_ms + b.drafting_ms
+        assert parts == pytest.approx(b.step_ms, rel=1e-6)
+
+
+def test_step_timer_splits_a_step_and_leaves_the_engine_as_it_was(llama_dir: Path, kit: Any) -> None:
+    engine = kit.make_engine(llama_dir)
+    prompts = kit.random_prompts([20, 9])
+    run = functools.partial(kit.run_to_completion, engine, prompts, [SamplingParams(temperature=0.0, max_tokens=5)] * 2)
+    plain = run()
+    timer = StepTimer(engine)
+    with timer:
+        assert "step" in vars(engine) and "attend_group" in vars(engine.model.layers[0].attention)
+        timed = run()
+    assert timed == plain  # timing changes nothing the engine computes
+    assert "step" not in vars(engine) and "forward" not in vars(engine.model)
+    assert all("attend_group" not in vars(layer.attention) for layer in engine.model.layers)
+    b = timer.breakdown(2)
+    assert b.steps == 5 and b.step_ms > b.attention_ms > 0 and b.share("python") + b.share("matmuls") < 1
 
 
 def test_bench_engine_command_prints_json_and_a_table(
@@ -26,4 +51,5 @@ def test_bench_engine_command_prints_json_and_a_table(
     assert code == 0
     printed = capsys.readouterr().out
     assert "engine" in printed and "c=2" in printed
+    assert "step time split" in printed and "python" in printed and "attention" in printed
     assert json.loads(out.read_text())["results"][1]["concurrency"] == 2

@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import torch
+
+from serving.engine.batch import ForwardBatchBuilder, SequenceInput, build_forward_batch
+
+CPU = torch.device("cpu")
+
+
+def test_positions_slots_and_logits_rows_of_a_mixed_step() -> None:
+    seqs = [
+        SequenceInput([7], start_pos=5, block_table=[3, 9], logits_offsets=[0]),  # decode at position 5
+        SequenceInput([1, 2, 3], start_pos=3, block_table=[4, 8], logits_offsets=[2]),  # chunk crossing a block
+        SequenceInput([4, 5], start_pos=0, block_table=[6], logits_offsets=[]),  # partial prefill, no logits
+    ]
+    batch = build_forward_batch(seqs, block_size=4, n_rep=1, device=CPU)
+    rows = {}  # flat rows of each sequence, read back from the layout the builder chose
+    for i, s in enumerate(seqs):
+        for r in range(batch.num_tokens):
+            if batch.input_ids[r : r + len(s.token_ids)].tolist() == s.token_ids:
+                rows[i] = r
+                break
+    assert len(rows) == 3
+    expected_slots = {0: [9 * 4 + 1], 1: [4 * 4 + 3, 8 * 4 + 0, 8 * 4 + 1], 2: [6 * 4 + 0, 6 * 4 + 1]}
+    expected_pos = {0: [5], 1: [3, 4, 5], 2: [0, 1]}
+    for i, r in rows.items():
+        n = len(seqs[i].token_ids)
+        assert batch.positions[r : r + n].tolist() == expected_pos[i]
+        assert batch.slot_mapping[r : r + n].tolist() == expected_slots[i]
+    assert batch.logits_index.tolist() == [rows[0], rows[1] + 2]
+
+
+def test_group_masks_are_causal_per_sequence_and_padding_is_dropped() -> None:
+    seqs = [SequenceInput([1, 2], start_pos=2, block_table=[0], logits_offsets=[1]),
+            SequenceInput([3], start_pos=1, block_table=[1], logits_offsets=[0])]
+    builder = ForwardBatchBuilder(block_size=4, n_rep=2, device=CPU)
+    batch = builder.build(seqs)
+    group = next(g for g in batch.groups if g.num_seqs == 2)  # alike enough to share one padded call
+    assert group.max_q == 2 and group.key_len == 4 and not group.uniform
+    assert group.mask is not None and group.mask.shape == (2, 1, 2 * 2, 4)
+    allowed = group.mask == 0
+    # sequence 0: queries at positions 2 and 3 (each repeated for both query heads of a KV head)
+    assert allowed[0, 0].tolist() == [[True, True, True, False], [True, True, True, True]] * 2
+    # sequence 1: one query at position 1, then a padded slot that sees position 0 only
+    assert allowed[1, 0].tolist() == [[True, True, False, False], [True, False, False, False]] * 2
+    assert group.valid_index is not None and group.valid_index.tolist() == [0, 1, 2]
+    assert group.block_tables.tolist() == [[0], [1]]
+    # the builder's index ramps are kept and reused across steps
+    ramp = builder.ramp(8)
+    assert builder.build(seqs).positions.tolist() == batch.positions.tolist()
+    assert builder.ramp(8).data_ptr() == ramp.data_ptr()
+
+
+def test_decode_only_step_is_one_row_per_sequence() -> None:
+    seqs = [SequenceInput([i], start_pos=16 * i + 3, block_table=list(range(10 * i, 10 * i + 4)), logits_offsets=[0])
+            for i in range(3)]
+    batch = build_forward_batch(seqs, block_size=16, n_rep=1, device=CPU)
+    by_token = dict(zip(batch.input_ids.tolist(), zip(batch.positions.tolist(), batch.slot_mapping.tolist(),
+                                                      strict=True), strict=True))
+    assert by_token == {i: (16 * i + 3, (10 * i + i) * 16 + 3) for i in range(3)}
