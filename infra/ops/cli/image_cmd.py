@@ -39,8 +39,9 @@ def register(subparsers: Any) -> None:
         "<repository-uri>@sha256:<digest>; --pin-slot writes it into the stack file as that slot's image.")
     push.add_argument("--stack", required=True, help="stack whose repository receives the image")
     add_image_arguments(push, default_variant=None)
-    push.add_argument("--pin-slot", choices=SLOTS, default=None,
-                      help="write the pushed image (by digest) as release.<slot>.image in the stack file")
+    push.add_argument("--pin-slot", choices=(*SLOTS, "active"), default=None,
+                      help="write the pushed image (by digest) as release.<slot>.image in the stack file "
+                      "(active: the stack's release.active)")
     push.add_argument("--stacks-dir", type=Path, help=argparse.SUPPRESS)
     push.set_defaults(func=_push)
 
@@ -85,8 +86,9 @@ def _push(args: argparse.Namespace) -> int:
         pushed = push(local, target, ecr, remote_tag(variant))
         sys.stdout.write(f"pushed {local} as {target.uri}:{pushed.tag}\n{pushed.image}\n")
         if args.pin_slot:
-            changed = pin_slot(stack.path, args.pin_slot, pushed.image)
-            sys.stdout.write(f"{stack.path}: release.{args.pin_slot}.image "
+            slot = config.slots.active if args.pin_slot == "active" else args.pin_slot
+            changed = pin_slot(stack.path, slot, pushed.image)
+            sys.stdout.write(f"{stack.path}: release.{slot}.image "
                              f"{'pinned to' if changed else 'already'} {pushed.image}\n")
     except ImageError as exc:
         raise CommandError(str(exc)) from exc

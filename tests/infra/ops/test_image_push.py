@@ -191,3 +191,17 @@ def test_push_refuses_a_stack_without_ecr(stacks: Path, capsys: pytest.CaptureFi
 def test_pinning_a_slot_the_stack_does_not_define_is_refused(stacks: Path) -> None:
     with pytest.raises(ImageError, match=r"release.green is not defined"):
         image.pin_slot(stacks / "Pulumi.prod.yaml", "green", f"{_target().uri}@sha256:" + "1" * 64)
+
+
+def test_pin_slot_active_pins_the_stacks_active_slot(
+        aws: Any, stacks: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    aws.create_repository(repositoryName="specdeploy-staging")
+    monkeypatch.setattr(image, "podman", RegistryDouble(aws))
+    monkeypatch.setattr(image, "image_exists", lambda tag: True)
+    path = stacks / "Pulumi.staging.yaml"
+    path.write_text(path.read_text().replace("active: blue", "active: green", 1).replace(
+        "    blue:\n", "    green:\n", 1))
+    assert main(["image", "push", "--stack", "staging", "--pin-slot", "active", "--stacks-dir", str(stacks)]) == 0
+    pinned = capsys.readouterr().out.splitlines()[1]
+    release = load_stack("staging", stacks).config.slots
+    assert release.active == "green" and release.green is not None and release.green.image == pinned
