@@ -1,4 +1,4 @@
-"""The rendered user-data: valid bash, the real `specdeploy weights pull`, the stack's server config."""
+"""The rendered user-data: valid bash, the image's own `python -m serving.weights pull`, the stack's server config."""
 
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ from infra.components.aws.user_data import (
     render_user_data,
 )
 from infra.config import load_stack, render_server_config
-from infra.ops.cli.main import build_parser
 from infra.ops.preview import PreviewResult
 from serving import metric_names as m
 from serving.config import ServerConfig
+from serving.weights.__main__ import build_parser as weights_parser
 
 StackFn = Callable[[str], PreviewResult]
 STACKS = ("dev", "staging", "prod")
@@ -74,7 +74,7 @@ def test_every_template_branch_is_valid_bash(variant: dict[str, object], tmp_pat
     assert result.returncode == 0, result.stderr
 
 
-def test_weight_pull_is_the_specdeploy_weights_pull_command(tmp_path: Path) -> None:
+def test_weight_pull_is_the_images_own_weights_pull_command(tmp_path: Path) -> None:
     # Run the script's own pull function with a fake `docker` that prints what it was asked to run.
     script = render_user_data(SPEC)
     function = re.search(r"^pull_weights\(\) \{\n.*?^\}$", script, re.S | re.M)
@@ -88,10 +88,11 @@ def test_weight_pull_is_the_specdeploy_weights_pull_command(tmp_path: Path) -> N
     argv = run.stdout.splitlines()
     entrypoint = argv[argv.index("--entrypoint") + 1]
     command = argv[argv.index("img") + 1:]
-    assert [entrypoint, *command] == ["specdeploy", "weights", "pull", "s3://models/target/v1", "/data/models/target"]
-    parsed = build_parser().parse_args(command)
-    assert (parsed.command, parsed.weights_command, parsed.uri, str(parsed.directory)) == (
-        "weights", "pull", "s3://models/target/v1", "/data/models/target")
+    assert [entrypoint, *command] == ["python3", "-m", "serving.weights", "pull", "s3://models/target/v1",
+                                      "/data/models/target"]
+    parsed = weights_parser().parse_args(command[2:])  # what the image's `python3 -m serving.weights` parses
+    assert (parsed.command, parsed.uri, str(parsed.directory)) == ("pull", "s3://models/target/v1",
+                                                                   "/data/models/target")
 
 
 @pytest.mark.parametrize("stack", STACKS)

@@ -3,8 +3,8 @@
 One function per rendered file. Everything here is a plain string built from the
 stack config: the user-data carries names and URIs, never a secret value (the API
 keys are fetched from Secrets Manager at boot), so it can be diffed in review and
-scanned by the policy pack. The weight pull line is exactly the `specdeploy weights
-pull URI DIR` command of infra/ops/cli/weights_cmd.py.
+scanned by the policy pack. The weight pull line is exactly the `python -m serving.weights
+pull URI DIR` command of serving/weights/__main__.py, run with the server image.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from infra.components.aws.common import METRIC_NAMESPACE
 from serving import metric_names as m
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
-WEIGHTS_PULL = "weights pull"  # subcommand of `specdeploy`, the image's entrypoint for the pull
+WEIGHTS_PULL = "serving.weights pull"  # `python3 -m serving.weights pull URI DIR`, inside the server image
 CONFIG_DIR = "/etc/specdeploy"
 # Launch lifecycle hook the group holds new instances in until user-data sees /ready (gpu_fleet.py).
 LAUNCH_HOOK = "specdeploy-ready"

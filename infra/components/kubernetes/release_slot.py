@@ -1,7 +1,7 @@
 """One release slot (blue or green) on Kubernetes: server config, weight cache, Deployment, Service.
 
 The pod pulls and verifies its model version in init containers
-(``specdeploy weights pull URI DIR``) into a cache volume, then the server loads
+(``python -m serving.weights pull URI DIR``, with the server image itself) into a cache volume, then the server loads
 it read-only. Probes follow the server's contract: ``/health`` = process alive,
 ``/ready`` = weights loaded, warm-up done, not draining. Termination gives the
 server its whole drain grace period before SIGKILL.
@@ -58,7 +58,7 @@ def _pull(name: str, image: str, uri: str, directory: str, spec: KubernetesSpec,
     container: k8s.core.v1.ContainerArgsDict = {
         "name": name,
         "image": image,
-        "command": ["specdeploy", "weights", "pull", uri, directory],
+        "command": ["python3", "-m", "serving.weights", "pull", uri, directory],
         "env": [{"name": "HOME", "value": "/tmp"}],
         "resources": {"requests": {"cpu": spec.cpu, "memory": spec.memory},
                       "limits": {"cpu": spec.cpu, "memory": spec.memory}},
@@ -142,7 +142,7 @@ def _server_container(image: str, port: int, spec: KubernetesSpec, startup_budge
     return {
         "name": "server",
         "image": image,
-        "command": ["specdeploy", "serve", "--config", f"{CONFIG_DIR}/{SERVER_CONFIG_FILE}"],
+        "command": ["python3", "-m", "serving", "--config", f"{CONFIG_DIR}/{SERVER_CONFIG_FILE}"],
         "ports": [{"name": HTTP_PORT_NAME, "container_port": port, "protocol": "TCP"}],
         "env": [{"name": "HOME", "value": "/tmp"}],
         "resources": {"requests": resources, "limits": resources},

@@ -33,8 +33,10 @@ KEY = "k8s-live-test-key-0123456789"
 GPU_ONLY = {metric_names.GPU_MEMORY_USED, metric_names.GPU_MEMORY_TOTAL, metric_names.GPU_UTILIZATION}
 
 
-def _specdeploy(*args: str) -> list[str]:
-    return [sys.executable, "-m", "infra.ops.cli.main", *args]
+def _in_image(command: list[str]) -> list[str]:
+    """A container command as this machine runs it: the image's python3 is this interpreter."""
+    assert command[:2] == ["python3", "-m"], command
+    return [sys.executable, *command[1:]]
 
 
 class Pod:
@@ -80,9 +82,8 @@ def served(pod: Pod) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     # 1. The init container, as rendered.
     [init] = pod.pod_spec["initContainers"]
     command = init["command"]
-    assert command[:3] == ["specdeploy", "weights", "pull"]
-    subprocess.run(_specdeploy(*command[1:-1], pod.local(command[-1]), "--quiet"), cwd=REPO, check=True,
-                   timeout=120)
+    assert command[:4] == ["python3", "-m", "serving.weights", "pull"]
+    subprocess.run(_in_image([*command[:-1], pod.local(command[-1])]), cwd=REPO, check=True, timeout=120)
 
     # 2. The mounted files: ConfigMap (cluster paths mapped under the pod root, loopback port) and api-keys.
     port = free_port()
@@ -101,9 +102,9 @@ def served(pod: Pod) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEPLOY")}
     env.update(SPECDEPLOY__MODEL__DEVICE="cpu", SPECDEPLOY__MODEL__KV_CACHE_BYTES=str(4 * 2**20))
     command = pod.server["command"]
-    assert command[:2] == ["specdeploy", "serve"]
+    assert command[:3] == ["python3", "-m", "serving"]
     log = (pod.root / "server.log").open("wb")
-    proc = subprocess.Popen(_specdeploy(*command[1:-1], str(config_path)), cwd=REPO, env=env, stdout=log,
+    proc = subprocess.Popen(_in_image([*command[:-1], str(config_path)]), cwd=REPO, env=env, stdout=log,
                             stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:

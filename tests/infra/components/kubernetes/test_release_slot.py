@@ -99,8 +99,10 @@ def test_init_containers_run_exactly_the_weights_pull_command(prod: Any) -> pulu
     def check(pod: Any) -> None:
         commands = {c.name: c.command for c in pod.init_containers}
         assert commands == {
-            "pull-target": ["specdeploy", "weights", "pull", GREEN.model_version, cache_dir(GREEN.model_version)],
-            "pull-draft": ["specdeploy", "weights", "pull", GREEN.draft_version, cache_dir(str(GREEN.draft_version))],
+            "pull-target": ["python3", "-m", "serving.weights", "pull", GREEN.model_version,
+                            cache_dir(GREEN.model_version)],
+            "pull-draft": ["python3", "-m", "serving.weights", "pull", GREEN.draft_version,
+                           cache_dir(str(GREEN.draft_version))],
         }
     return _pod(prod, check)
 
@@ -176,7 +178,7 @@ def test_server_config_points_at_the_pulled_versions(prod: Any) -> pulumi.Output
 @pulumi.runtime.test
 def test_server_starts_from_the_mounted_config(prod: Any) -> pulumi.Output[None]:
     def check(server: Any) -> None:
-        assert server.command == ["specdeploy", "serve", "--config", "/etc/specdeploy/server.yaml"]
+        assert server.command == ["python3", "-m", "serving", "--config", "/etc/specdeploy/server.yaml"]
         mounts = {(m.name, m.mount_path, m.read_only) for m in server.volume_mounts}
         assert ("config", "/etc/specdeploy", True) in mounts
     return _server(prod, check)
