@@ -4,6 +4,11 @@ Per sequence the draft cache holds a prefix of the sequence's tokens. Each engin
 catches up (the tokens accepted or emitted since last time, at most a few; the whole prompt the first
 time) and drafts one token from that forward, then runs k - 1 batched single-token steps. Rejected
 drafts are rolled back by shortening the sequence in the draft cache; nothing is copied.
+
+The draft cache caches prefixes the way the target's does (kv_cache.BlockManager, same block hashes): a
+sequence the draft has not seen starts on the draft's cached blocks of its longest cached prefix, so the
+first catch-up of a request that shares a system prompt with an earlier one computes only the rest. Only
+blocks full of the sequence's own tokens get a content address, never ones holding draft tokens.
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ def check_same_tokenizer(target_dir: Path, draft_dir: Path, target: ModelArgs, d
 class DraftModelProposer:
     uses_model = True  # every draft position is a forward of the draft model
 
-    def __init__(self, model: Transformer, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: Transformer, num_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = True) -> None:
         self.model = model
         args = model.args
         self.device = model.tok_embeddings.weight.device
@@ -55,8 +61,10 @@ class DraftModelProposer:
         self.block_size = block_size
         self.cache = KVCache(args.n_layers, num_blocks, block_size, args.n_kv_heads, args.head_dim, self.dtype,
                              self.device)
-        self.blocks = BlockManager(num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.computed: dict[str, int] = {}  # req_id -> tokens of the sequence in the draft cache
+        self.catch_up_tokens_total = 0  # sequence tokens the draft computed (prompts, accepted and emitted tokens)
+        self.prefix_hit_tokens_total = 0  # sequence tokens found in the draft's prefix cache instead
 
     @classmethod
     def load(
@@ -76,7 +84,16 @@ class DraftModelProposer:
 
     def lag(self, req: Request) -> int:
         """Tokens the draft must run for this sequence before it can draft (1 when it is up to date)."""
-        return req.num_tokens - min(self.computed.get(req.request_id, 0), req.num_tokens - 1)
+        return req.num_tokens - min(self._start(req), req.num_tokens - 1)
+
+    def _start(self, req: Request) -> int:
+        """Tokens of the sequence in the draft cache; a sequence seen for the first time takes its cached prefix."""
+        computed = self.computed.get(req.request_id)
+        if computed is None:
+            computed = self.blocks.match_prefix(req.request_id, req.all_token_ids)
+            self.computed[req.request_id] = computed
+            self.prefix_hit_tokens_total += computed
+        return computed
 
     def release(self, req_id: str) -> None:
         self.blocks.free(req_id)
@@ -94,6 +111,7 @@ class DraftModelProposer:
         active = []
         for req in reqs:
             k = ks.get(req.request_id, 0)
+            self._start(req)
             # positions N .. N + k - 2 get draft K/V (the last draft is never fed back)
             if k > 0 and self.blocks.allocate(req.request_id, req.num_tokens + k - 1):
                 active.append(req)
@@ -108,7 +126,10 @@ class DraftModelProposer:
             start = req.num_tokens - len(tokens)
             seqs.append(SequenceInput(tokens, start, self.blocks.block_table(req.request_id), [len(tokens) - 1]))
             self.computed[req.request_id] = req.num_tokens
+            self.catch_up_tokens_total += len(tokens)
         self._draft_step(active, seqs, drafts, probs)
+        for req in active:  # blocks now full of the sequence's own tokens become reusable by content
+            self.blocks.commit(req.request_id, req.all_token_ids, req.num_tokens)
 
         for j in range(1, max(ks[r.request_id] for r in active)):
             step = [r for r in active if ks[r.request_id] > j]
