@@ -36,6 +36,9 @@ def register(subparsers: Any) -> None:
     engine.add_argument("--repeats", type=int, default=2,
                         help="rounds over every system and concurrency, back to back; the best counts (default 2)")
     engine.add_argument("--json-out", type=Path, help="also write the JSON report to this file")
+    engine.add_argument("--quantization", choices=("int8", "fp8"),
+                        help="instead: the quantized engine beside the unquantized one (held-out perplexity, "
+                             "weight bytes, tokens/s at each concurrency); fp8 needs a GPU of capability >= 8.9")
     engine.set_defaults(func=_bench_engine)
 
     spec = actions.add_parser(
@@ -107,6 +110,8 @@ def _concurrencies(text: str) -> list[int]:
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
+    if args.quantization:
+        return _bench_quantization(args)
     from serving.engine.benchmark import run_engine_benchmark
 
     concurrencies = _concurrencies(args.concurrency)
@@ -122,6 +127,41 @@ def _bench_engine(args: argparse.Namespace) -> int:
     _print_table(report, concurrencies)
     if profile:
         sys.stdout.write("\n" + profile + "\n")
+    return 0
+
+
+def _bench_quantization(args: argparse.Namespace) -> int:
+    import torch
+
+    from serving.engine.quant import QuantizationUnsupported, check_supported
+
+    try:
+        check_supported(args.quantization, torch.device(args.device))
+    except QuantizationUnsupported as exc:
+        raise CommandError(str(exc)) from exc
+    if args.device != "cpu":
+        raise CommandError("--quantization is measured on --device cpu here (fp32 beside the quantized engine)")
+    from serving.engine.quant_benchmark import run_quant_benchmark
+
+    concurrencies = _concurrencies(args.concurrency)
+    report = run_quant_benchmark(_model_dir(args.model), args.quantization, concurrencies, args.output_len,
+                                 args.threads, repeats=args.repeats)
+    text = json.dumps(report.to_dict(), indent=2)
+    sys.stdout.write(text + "\n")
+    if args.json_out:
+        args.json_out.write_text(text + "\n")
+    q = args.quantization
+    lines = [f"{'c':>4}  {'fp32 tok/s':>11}  {q + ' tok/s':>11}  {q + '/fp32':>9}"]
+    for c in concurrencies:
+        base, quant = report.tokens_per_s["none"][c], report.tokens_per_s[q][c]
+        lines.append(f"{c:>4}  {base:>11,.1f}  {quant:>11,.1f}  {quant / base:>9.2f}")
+    if report.perplexity:
+        ppl = report.perplexity
+        lines.append(f"held-out perplexity over {report.heldout_tokens:,} tokens: fp32 {ppl['none']:.3f}, "
+                     f"{q} {report.perplexity[q]:.3f} ({report.perplexity_relative_gap:+.2%}; goal within 2%)")
+    lines.append(f"weight bytes: fp32 {report.weight_bytes['none']:,}, {q} {report.weight_bytes[q]:,} "
+                 f"({report.weight_ratio:.3f}x; goal <= 0.3)")
+    sys.stdout.write("\n".join(lines) + "\n")
     return 0
 
 
@@ -188,6 +228,17 @@ def _print_spec_tables(report: Any) -> None:
         console.print(f"ceiling at full acceptance: draft {ceiling['draft_ceiling_speedup']:.2f}x, n-gram "
                       f"{ceiling['ngram_ceiling_speedup']:.2f}x (decode {ms['target_decode_step_s']:.1f} ms, "
                       f"verify k+1 {ms['target_verify_step_s']:.1f} ms, draft step {ms['draft_step_s']:.1f} ms)")
+    if report.draft_alpha:
+        alpha = " ".join(f"{a:.2f}" for a in report.draft_alpha)
+        console.print(f"draft acceptance per position (alpha, greedy, teacher-forced on the target's outputs): {alpha}")
+    if ceiling and "draft_cost_per_token_s" in ceiling:
+        console.print(f"cost per token: draft {ceiling['draft_cost_per_token_s'] * 1e3:.2f} ms, verify "
+                      f"{ceiling['verify_cost_per_token_s'] * 1e3:.2f} ms, plain decode "
+                      f"{ceiling['target_decode_step_s'] * 1e3:.2f} ms; expected at measured alpha and k="
+                      f"{report.num_draft_tokens}: {ceiling.get('draft_expected_speedup_at_alpha', 0.0):.2f}x")
+    if report.c1_draft_k_histogram:
+        hist = " ".join(f"{k}:{v}" for k, v in sorted(report.c1_draft_k_histogram.items()))
+        console.print(f"k chosen at c=1 (draft): {hist}")
     tp = Table(title="throughput, spec on / spec off (adaptive k, best of interleaved repeats)")
     for col in ("c", "off tok/s", "draft tok/s", "n-gram tok/s", "draft on/off", "n-gram on/off", "draft k chosen"):
         tp.add_column(col, justify="right")

@@ -63,6 +63,10 @@ class SpecBenchReport:
     ceiling: dict[str, float] = field(default_factory=dict)
     ratios: dict[str, float] = field(default_factory=dict)
     greedy_identical: bool | None = None  # c=1 outputs token-identical with spec off, draft and n-gram
+    # alpha[i]: P(draft position i accepted | positions before it accepted), greedy, teacher-forced on the
+    # target's own c=1 outputs (so independent of the k the policy picked)
+    draft_alpha: list[float] = field(default_factory=list)
+    c1_draft_k_histogram: dict[int, int] = field(default_factory=dict)  # k chosen -> sequence-steps, c=1 run
     counters: dict[str, dict[str, Any]] = field(default_factory=dict)  # proposer -> its engine's SpecStats, whole run
 
     def to_dict(self) -> dict[str, Any]:
@@ -162,9 +166,50 @@ def measure_ceiling(target: Transformer, draft: Transformer | None, k: int, cont
         "target_decode_step_s": decode,
         "target_verify_step_s": verify,
         "draft_step_s": draft_step,
+        "draft_cost_per_token_s": draft_step,  # one draft forward per drafted token
+        "verify_cost_per_token_s": verify / (k + 1),
         "draft_ceiling_speedup": (k + 1) * decode / (verify + k * draft_step),
         "ngram_ceiling_speedup": (k + 1) * decode / verify,
     }
+
+
+@torch.inference_mode()
+def measure_alpha(draft: Transformer, prompts: list[list[int]], outputs: list[list[int]], k: int) -> list[float]:
+    """Acceptance per draft position for greedy speculation: one teacher-forced draft forward per prompt over
+    the target's greedy continuation; position i of a round starting at t is accepted when the draft's argmax
+    agrees with the target at t .. t + i. alpha[i] = rounds reaching i + 1 / rounds reaching i."""
+    args = draft.args
+    device, dtype = draft.tok_embeddings.weight.device, draft.tok_embeddings.weight.dtype
+    reached = [0] * (k + 1)  # reached[i]: round starts whose first i drafts were all accepted
+    for prompt, out in zip(prompts, outputs, strict=True):
+        if len(out) < 2:
+            continue
+        tokens = prompt + out[:-1]
+        blocks = BlockManager(-(-len(tokens) // 16), 16)
+        cache = KVCache(args.n_layers, blocks.num_blocks, 16, args.n_kv_heads, args.head_dim, dtype, device)
+        blocks.allocate("s", len(tokens))
+        rows = list(range(len(prompt) - 1, len(tokens)))  # logits predicting out[0], out[1], ...
+        batch = build_forward_batch([SequenceInput(tokens, 0, blocks.block_table("s"), rows)], 16, args.n_rep,
+                                    device, dtype)
+        agree = (draft.compute_logits(draft(batch, cache), batch.logits_index).argmax(-1).cpu()
+                 == torch.tensor(out)).tolist()
+        for start in range(len(out) - k):
+            run = 0
+            while run < k and agree[start + run]:
+                run += 1
+            for i in range(run + 1):
+                reached[i] += 1
+    return [reached[i + 1] / reached[i] if reached[i] else 0.0 for i in range(k)]
+
+
+def expected_speedup(alpha: list[float], k: int, ceiling: dict[str, float]) -> float:
+    """Speed-up at c=1 with k drafts per round at the measured alpha: tokens per round / cost of a round."""
+    tokens, accepted_all = 1.0, 1.0
+    for a in alpha[:k]:
+        accepted_all *= a
+        tokens += accepted_all
+    cost = ceiling["target_verify_step_s"] + k * ceiling["draft_step_s"]
+    return tokens * ceiling["target_decode_step_s"] / cost if cost else 0.0
 
 
 def load_prompts(tokenizer: Any, count: int) -> list[list[int]]:
@@ -201,7 +246,10 @@ def run_spec_benchmark(
         run_concurrent(engine, prompts, 2, 16)
     outputs: dict[str, list[list[int]]] = {"off": [], "draft": [], "ngram": []}
     report.c1.append(run_sequential(off, "spec_off", prompts, output_len, outputs["off"]))
+    k_before = dict(on_draft.stats().spec.k_histogram)
     report.c1.append(run_sequential(on_draft, "spec_draft", prompts, output_len, outputs["draft"]))
+    report.c1_draft_k_histogram = {kk: v - k_before.get(kk, 0) for kk, v in on_draft.stats().spec.k_histogram.items()
+                                   if v - k_before.get(kk, 0)}
     report.c1.append(run_sequential(on_ngram, "spec_ngram", prompts, output_len, outputs["ngram"]))
     report.greedy_identical = outputs["off"] == outputs["draft"] == outputs["ngram"]
     for run in report.c1:
@@ -240,7 +288,11 @@ def run_spec_benchmark(
         report.counters[name] = dict(asdict(stats), acceptance_rate=stats.acceptance_rate,
                                      mean_accepted_length=stats.mean_accepted_length)
     proposer = on_draft.speculator.proposer if on_draft.speculator else None
-    report.ceiling = measure_ceiling(off.model, getattr(proposer, "model", None), k)
+    draft_model = getattr(proposer, "model", None)
+    report.ceiling = measure_ceiling(off.model, draft_model, k)
+    if draft_model is not None:
+        report.draft_alpha = measure_alpha(draft_model, prompts, outputs["off"], k)
+        report.ceiling["draft_expected_speedup_at_alpha"] = expected_speedup(report.draft_alpha, k, report.ceiling)
     report.ratios = spec_ratios(report)
     return report
 
