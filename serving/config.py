@@ -90,6 +90,10 @@ class ServiceSection(StrictModel):
     )
 
 
+# Load-time weight quantization (serving/engine/quant.py); one definition for the server, engine and planner.
+Quantization = Literal["none", "int8", "fp8"]
+
+
 class ModelSection(StrictModel):
     path: str = Field(..., min_length=1, description="Directory with config.json, safetensors and tokenizer.")
     dtype: Dtype = Field("bf16", description="Weight and activation precision.")
@@ -102,6 +106,10 @@ class ModelSection(StrictModel):
     )
     max_model_len: int | None = Field(
         None, gt=0, description="Context limit; default max_input_len + max_output_len."
+    )
+    quantization: Quantization = Field(
+        "none", description="Weights quantized at load: int8 weight-only per channel; fp8 (e4m3) needs a GPU of "
+        "compute capability >= 8.9 and is refused elsewhere. The checkpoint on disk is unchanged.",
     )
 
 

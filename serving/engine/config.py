@@ -13,6 +13,7 @@ from pydantic import Field, model_validator
 
 from serving.config import (
     ModelSection,
+    Quantization,
     SchedulerSection,
     ServerConfig,
     SpeculativeSection,
@@ -40,6 +41,7 @@ class EngineConfig(StrictModel):
     max_num_batched_tokens: int = section_field(SchedulerSection, "max_batched_tokens")
     # Prompt + output at most; None: the checkpoint's own positions.
     max_model_len: int | None = section_field(ModelSection, "max_model_len")
+    quantization: Quantization = section_field(ModelSection, "quantization")
     max_queue: int = section_field(SchedulerSection, "max_queue")
     enable_prefix_caching: bool = section_field(SchedulerSection, "enable_prefix_caching")
     seed: int = Field(0, description="Seeds the generators of requests that bring no seed.")
@@ -66,6 +68,7 @@ class EngineConfig(StrictModel):
             # Only an explicit limit: the engine otherwise takes the checkpoint's own positions, and the API
             # checks requests against min(engine limit, max_input_len + max_output_len).
             max_model_len=model.max_model_len,
+            quantization=model.quantization,
             max_queue=scheduler.max_queue,
             enable_prefix_caching=scheduler.enable_prefix_caching,
             speculative=config.speculative,

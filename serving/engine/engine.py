@@ -56,8 +56,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.args = model.args
         self.max_model_len = model.max_model_len
-        self.device = model.tok_embeddings.weight.device
-        self.dtype = model.tok_embeddings.weight.dtype
+        self.device, self.dtype = model.device, model.dtype
         self.block_size = config.kv_block_size
         self.cache = KVCache(self.args.n_layers, num_blocks, self.block_size, self.args.n_kv_heads,
                              self.args.head_dim, self.dtype, self.device)
@@ -91,7 +90,7 @@ class LLMEngine:
         max_model_len = config.max_model_len or args.max_position_embeddings
         if args.sliding_window:
             max_model_len = min(max_model_len, args.sliding_window)
-        model = load_model(config.model, dtype, device, max_model_len)
+        model = load_model(config.model, dtype, device, max_model_len, config.quantization)
         per_block = kv_bytes_per_block(args.n_layers, args.n_kv_heads, args.head_dim, config.kv_block_size, dtype)
         num_blocks = max(kv_budget_bytes(config, device) // per_block, 1)
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, config.kv_block_size,

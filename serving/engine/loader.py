@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from serving.engine.model import ModelArgs, Transformer
+from serving.engine.quant import Quantization, check_supported, quantize_state_dict, replace_modules
 
 log = logging.getLogger(__name__)
 
@@ -100,22 +101,33 @@ def convert_hf_state_dict(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_model_len: int
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_model_len: int,
+    quantization: Quantization = "none",
 ) -> Transformer:
+    """Build the model on `device`; with `quantization` int8/fp8 its matmul weights are quantized while loading."""
     model_dir = Path(model_dir)
     args = read_model_args(model_dir)
+    check_supported(quantization, device)
     with torch.device("meta"):
         model = Transformer(args, max_model_len)
+    quantized = replace_modules(model, quantization, dtype)
+    model.quantization = quantization
     state = convert_hf_state_dict(read_state_dict(model_dir), args)
-    state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
+    shares_table = args.tie_word_embeddings and quantization in ("none", "int8")
+    if args.tie_word_embeddings and not shares_table:  # fp8 lm_head needs its own copy of the float table
+        state["output.weight"] = state["tok_embeddings.weight"]
+    state = quantize_state_dict(state, quantized, quantization, dtype, device)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    missing = [m for m in missing if not (args.tie_word_embeddings and m == "output.weight")]
+    missing = [m for m in missing if not (shares_table and m.startswith("output."))]
     if missing or unexpected:
         raise ValueError(f"checkpoint in {model_dir} does not match: missing {missing}, unexpected {unexpected}")
-    if args.tie_word_embeddings:
+    if shares_table and quantization == "none":
         model.output.weight = model.tok_embeddings.weight
+    elif shares_table:  # one int8 table: embedding rows and lm_head output channels share scales
+        model.output.qweight = model.tok_embeddings.qweight
+        model.output.scales = model.tok_embeddings.scales
     model.build_rope(device)  # the rope tables were built on meta; build them for real
     model.eval().requires_grad_(False)
-    log.info("loaded %s (%s, %d layers, dim %d) in %s on %s", model_dir, args.model_type, args.n_layers,
-             args.dim, dtype, device)
+    log.info("loaded %s (%s, %d layers, dim %d) in %s on %s, quantization %s", model_dir, args.model_type,
+             args.n_layers, args.dim, dtype, device, quantization)
     return model

@@ -194,9 +194,19 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.quantization = "none"  # set by the loader: none, int8 or fp8 (serving.engine.quant)
         self.rope_cos = torch.empty(0)  # [max_model_len, D] fp32, indexed by position
         self.rope_sin = torch.empty(0)
         self.build_rope(None)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Activation (and KV cache) dtype: quantized weights keep norms in it."""
+        return self.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
 
     def build_rope(self, device: torch.device | None) -> None:
         args = self.args
