@@ -27,7 +27,7 @@ from infra.ops import image
 from infra.ops.local import LocalDeployment
 from serving.net import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.image, pytest.mark.slow, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parents[3]
 REQUIRED = os.environ.get("SPECDEPLOY_REQUIRE_IMAGE") == "1"

@@ -22,7 +22,7 @@ import yaml
 from infra.ops import image
 from serving.net import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.image, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 REPO = Path(__file__).resolve().parents[3]
 REQUIRED = os.environ.get("SPECDEPLOY_REQUIRE_IMAGE") == "1"
