@@ -65,10 +65,12 @@ class ModelDims:
     head_dim: int
     hidden_size: int
     source: str  # "config.json" or "stack file"
+    quantization: str = "none"  # none, int8 or fp8: the weights' bytes; KV and activations stay in dtype
 
     @property
     def weight_bytes(self) -> float:
-        return weight_bytes(self.params, self.dtype)
+        # int8 and fp8 store one byte per weight; their per-channel scales add ~1/hidden of that (ignored)
+        return weight_bytes(self.params, "int8" if self.quantization in ("int8", "fp8") else self.dtype)
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -160,7 +162,7 @@ def model_dims(spec: ModelSpec, key: str, reader: ConfigReader = read_local_conf
         )
     assert params and layers and kv_heads and head_dim and hidden  # narrowed by `missing` above
     return ModelDims(spec.name, spec.dtype, float(params), int(layers), int(kv_heads), int(head_dim),
-                     int(hidden), "config.json" if from_hf else "stack file")
+                     int(hidden), "config.json" if from_hf else "stack file", spec.quantization)
 
 
 @dataclass(frozen=True)
@@ -341,7 +343,8 @@ class CapacityPlan:
         """The plan as text, the way `specdeploy plan` prints it."""
         e, inst = self.estimate, self.instance
         lines = [
-            f"model        {e.target.name} ({e.target.dtype}, {e.target.params / 1e9:.2f}B params, "
+            f"model        {e.target.name} ({e.target.dtype}{_quantized(e.target)}, "
+            f"{e.target.params / 1e9:.2f}B params, "
             f"{e.target.num_layers} layers, {e.target.num_kv_heads}x{e.target.head_dim} KV; from {e.target.source})",
         ]
         if e.draft:
@@ -376,6 +379,10 @@ def render_candidates(candidates: tuple[Fit, ...]) -> str:
         lines.append(f"{f.instance.name:<14} {f.instance.gpu:<18} {f.instance.gpu_memory_gib:>4g} "
                      f"{f.instance.price_per_hour:>7.3f}  {verdict}")
     return "\n".join(lines)
+
+
+def _quantized(dims: ModelDims) -> str:
+    return f", {dims.quantization} weights" if dims.quantization != "none" else ""
 
 
 def gib(value: float) -> str:
@@ -423,7 +430,8 @@ def _does_not_fit(config: StackConfig, estimate: MemoryEstimate, fits: list[Fit]
     lines.append(f"    - scheduler.max_input_len / max_output_len (peak context {e.context_tokens} tokens)")
     if e.draft:
         lines.append("    - speculative.method ngram (drops the draft model's weights and KV cache)")
-    lines.append("    - a smaller or quantized model (model.dtype; weights are the fixed cost)")
+    lines.append("    - a smaller or quantized model (model.quantization int8 / fp8, model.dtype; weights are the "
+                 "fixed cost)")
     if given:
         ok = [f.instance.name for f in sorted(fits, key=lambda f: f.instance.price_per_hour) if f.fits]
         if ok:

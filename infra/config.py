@@ -26,6 +26,7 @@ from serving.config import (
     ConfigError,
     Dtype,
     ModelSection,
+    Quantization,
     SchedulerSection,
     ServerConfig,
     ServiceSection,
@@ -65,6 +66,7 @@ class ModelSpec(StrictModel):
     name: str = Field(..., min_length=1, description="Model id served in the API (`model` field).")
     source: str = Field(..., description="Weights URI of this version: s3://bucket/prefix or file:///dir.")
     dtype: Dtype = Field("bf16", description="Serving precision.")
+    quantization: Quantization = section_field(ModelSection, "quantization")
     params_b: float | None = Field(None, gt=0, description="Parameter count in billions (capacity plan).")
     num_layers: int | None = Field(None, gt=0, description="Decoder layers (capacity plan).")
     hidden_size: int | None = Field(None, gt=0, description="Model width (capacity plan).")
@@ -353,6 +355,8 @@ class StackConfig(StrictModel):
             raise ValueError(
                 f"draft.dtype ({self.draft.dtype}) differs from model.dtype ({self.model.dtype})"
             )
+        if self.draft is not None and self.draft.quantization != "none":
+            raise ValueError("draft.quantization: only the target's weights are quantized; leave it none")
         self._check_slots_have_drafts()
         self._check_platform_access()
         return self
@@ -611,6 +615,7 @@ def render_server_config(
             "device": "cuda" if config.serves_on_gpu else "auto",
             "max_memory_utilization": config.service.max_memory_utilization,
             "kv_cache_bytes": kv_cache_bytes,
+            "quantization": config.model.quantization,
         },
         "scheduler": config.scheduler.model_dump(),
         "speculative": {**spec.model_dump(), "draft_model": draft_path if use_draft else None},

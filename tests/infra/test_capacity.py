@@ -176,3 +176,31 @@ def test_plan_command_reports_a_misfit_as_an_error(tmp_path: Path, capsys: pytes
     (tmp_path / "Pulumi.dev.yaml").write_text(text)
     assert main(["plan", "--stack", "dev", "--stacks-dir", str(tmp_path)]) == 2
     assert "does not fit fleet.instance_type g5.xlarge" in capsys.readouterr().err
+
+
+# --- quantized weights (#19) -----------------------------------------------------------------
+
+def test_int8_weights_take_one_byte_per_parameter_and_kv_stays_in_dtype(dev: StackConfig) -> None:
+    bf16, int8 = capacity.estimate_memory(dev), capacity.estimate_memory(_with(dev, "model", quantization="int8"))
+    assert int8.weights == pytest.approx(bf16.weights / 2)
+    assert int8.kv_per_token == bf16.kv_per_token
+
+
+def test_an_int8_8b_stack_lands_on_a_cheaper_instance_than_bf16(dev: StackConfig) -> None:
+    bf16, int8 = plan(dev), plan(_with(dev, "model", quantization="int8"))
+    assert int8.instance.price_per_hour < bf16.instance.price_per_hour
+    assert "bf16, int8 weights" in int8.render()
+
+
+def test_the_server_config_carries_the_stacks_quantization(dev: StackConfig) -> None:
+    from infra.config import render_server_config
+
+    assert render_server_config(dev).model.quantization == "none"
+    assert render_server_config(_with(dev, "model", quantization="int8")).model.quantization == "int8"
+
+
+def test_a_quantized_draft_is_refused_by_name(dev: StackConfig) -> None:
+    data = dev.model_dump()
+    data["draft"]["quantization"] = "int8"
+    with pytest.raises(ValueError, match="draft.quantization"):
+        StackConfig.model_validate(data)
