@@ -434,6 +434,12 @@ def ab_arms(request: pytest.FixtureRequest, options: LaunchOptions, endpoint: st
               f"environment with only SPECDEPLOY__SPECULATIVE__ENABLED={flipped} (port {twin.port}); the "
               f"server has no runtime switch, and a twin changes exactly one setting. Phases alternate ABBA, "
               f"one server loaded at a time")
+    yield from _arms_with_twin(twin, method, deployed_on, endpoint, launch_run)
+
+
+def _arms_with_twin(twin: Any, method: str, deployed_on: bool, endpoint: str,
+                    launch_run: LaunchRun) -> Iterator[tuple[str, str, str]]:
+    """(spec-on endpoint, spec-off endpoint, method) while the twin runs; the twin stops afterwards."""
     launch_run.notes.append(f"A/B: {method}.")
     try:
         yield (endpoint, twin.endpoint, method) if deployed_on else (twin.endpoint, endpoint, method)
@@ -455,11 +461,7 @@ def _container_ab_arms(container: str, flipped: str, deployed_on: bool, endpoint
               f"and settings with only SPECDEPLOY__SPECULATIVE__ENABLED={flipped} ({twin.endpoint}); the server "
               f"has no runtime switch, and a twin changes exactly one setting. Phases alternate ABBA, one server "
               f"loaded at a time")
-    launch_run.notes.append(f"A/B: {method}.")
-    try:
-        yield (endpoint, twin.endpoint, method) if deployed_on else (twin.endpoint, endpoint, method)
-    finally:
-        twin.stop()
+    yield from _arms_with_twin(twin, method, deployed_on, endpoint, launch_run)
 
 
 @pytest.fixture(scope="session")
