@@ -60,7 +60,7 @@ def test_preview_shows_the_outputs(aws_stack: StackFn) -> None:
 
 def test_preview_command_reports_policy_results(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["preview", "--stack", "dev"]) == 0
-    assert "policy pack: 7 policies, no violations" in capsys.readouterr().out
+    assert "policy pack: 8 policies, no violations" in capsys.readouterr().out
 
 
 def test_preview_json_lists_resources(capsys: pytest.CaptureFixture[str]) -> None:
