@@ -62,7 +62,10 @@ async def start_serving(state: ServerState, factory: EngineFactory) -> None:
         state.phase = "loading model"
         engine = await asyncio.to_thread(factory, settings)
         await engine.start()
-        state.tokenizers = TokenizerPool(engine.tokenizer, settings.config.scheduler.max_input_len)
+        limits = settings.config.scheduler
+        # as many prompts may wait for the tokenizer as the engine would admit (running + queued)
+        state.tokenizers = TokenizerPool(engine.tokenizer, limits.max_input_len,
+                                         max_pending=max(limits.max_concurrency + limits.max_queue, 2))
         state.engine = engine
         if getattr(engine, "device_type", None) == "cuda" or _cuda_in_use(settings):
             state.metrics.enable_gpu()
