@@ -112,7 +112,9 @@ def rejection_error(state: ServerState, exc: RequestRejected) -> ApiError:
 
 
 def _retry_after(state: ServerState) -> float:
-    return max(1.0, min(state.service_time_s or 1.0, 60.0))
+    """About one request's service time: a slot frees no sooner (at the start of an overload, before any
+    request has finished, the oldest running request's age stands in for it)."""
+    return max(1.0, min(state.typical_service_s() or 1.0, 60.0))
 
 
 # ---- run ------------------------------------------------------------------------------------------------

@@ -51,7 +51,9 @@ class ServerState:
     failure: str | None = None  # why start-up failed; the server then never becomes ready
     draining: bool = False
     inflight: int = 0  # generation requests admitted and not yet finished
-    active: set[str] = field(default_factory=set)  # their engine request ids (drain aborts them at the deadline)
+    # their engine request ids -> when they began (drain aborts them at the deadline; Retry-After before
+    # any request has finished)
+    active: dict[str, float] = field(default_factory=dict)
     started_at: float = field(default_factory=time.monotonic)
     service_time_s: float | None = None  # moving average of end-to-end latency of finished requests
 
@@ -74,14 +76,23 @@ class ServerState:
     def begin_request(self, request_id: str | None = None) -> None:
         self.inflight += 1
         if request_id is not None:
-            self.active.add(request_id)
+            self.active[request_id] = time.monotonic()
 
     def end_request(self, e2e_s: float | None, request_id: str | None = None) -> None:
         self.inflight -= 1
-        self.active.discard(request_id or "")
+        self.active.pop(request_id or "", None)
         if e2e_s is not None:
             previous = self.service_time_s
             self.service_time_s = e2e_s if previous is None else previous + _SERVICE_TIME_EWMA * (e2e_s - previous)
+
+    def typical_service_s(self) -> float | None:
+        """How long a request takes here: the moving average once requests have finished, else the age of
+        the oldest one running (a lower bound), else None."""
+        if self.service_time_s is not None:
+            return self.service_time_s
+        if self.active:
+            return time.monotonic() - min(self.active.values())
+        return None
 
     async def abort_all(self) -> None:
         """Abort every running generation: streams end with an error event, the others with a 503."""

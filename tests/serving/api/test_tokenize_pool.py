@@ -96,3 +96,4 @@ def test_tokenizer_errors_are_the_request_s_fault() -> None:
 def test_bad_pool_sizes_are_refused() -> None:
     with pytest.raises(ValueError, match="max_pending"):
         TokenizerPool(SlowTokenizer(0), 10, workers=4, max_pending=2)
+
