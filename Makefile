@@ -44,7 +44,7 @@ demo: $(STAMP)
 soak: $(STAMP)
 	$(BIN)/pytest -m soak
 
-# The API fuzz alone (also part of `make test`): hypothesis against the served /openapi.json, ~1 minute.
+# The API fuzz alone (also part of `make test`): hypothesis against the served /openapi.json (~20 s).
 fuzz: $(STAMP)
 	$(BIN)/pytest -s tests/serving/chaos/test_fuzz.py
 
