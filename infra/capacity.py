@@ -9,6 +9,12 @@ The formulas are the guide's (guide-planning-launch-operations, section 3):
              and 15-20 % headroom on top
 - batch-1 decode ceiling ~= memory bandwidth / weight bytes (every token reads all weights)
 
+With tensor parallelism (`model.tensor_parallel_size` tp) each GPU holds weights / tp (attention and
+MLP split by heads and columns, embeddings and lm_head vocabulary-parallel; the replicated norms are
+negligible) and KV / tp (the cache is sharded by KV head, so kv_heads must divide by tp). Activations
+and the runtime are counted whole on every GPU, and the draft model (weights and KV) sits on rank 0:
+the per-GPU figures are rank 0's, the fullest GPU. The instance needs at least tp GPUs.
+
 Dimensions come from the model's config.json when it can be read, else from the stack file.
 The plan then picks the cheapest catalogued instance type that fits (`fleet.instance_type:
 auto`) or checks the given one, and fails with the numbers and what to change otherwise.
@@ -47,6 +53,7 @@ ACTIVATION_WIDTHS = 16
 HOST_MEMORY_RESERVE_BYTES = 4 * GIB
 
 ConfigReader = Callable[[str], dict[str, Any] | None]
+TP_SIZES = (1, 2, 4, 8)
 
 
 class CapacityError(ValueError):
@@ -180,10 +187,27 @@ class MemoryEstimate:
     kv_peak: float
     activations: float
     runtime: float
+    tp: int = 1  # model.tensor_parallel_size: GPUs the target is sharded across
+
+    @property
+    def weights_per_gpu(self) -> float:
+        """Target weights on one GPU, plus the draft's on rank 0."""
+        return self.weights / self.tp + self.draft_weights
+
+    @property
+    def kv_per_token_per_gpu(self) -> float:
+        """KV per token on rank 0: the target's KV heads are split tp ways, the draft's are not."""
+        draft_kv = self.draft.kv_bytes_per_token if self.draft else 0.0
+        return (self.kv_per_token - draft_kv) / self.tp + draft_kv
+
+    @property
+    def kv_peak_per_gpu(self) -> float:
+        return self.kv_per_token_per_gpu * self.context_tokens * self.concurrency
 
     @property
     def total(self) -> float:
-        return self.weights + self.draft_weights + self.kv_peak + self.activations + self.runtime
+        """Peak memory of the fullest GPU (rank 0); the whole server's when tp is 1."""
+        return self.weights_per_gpu + self.kv_peak_per_gpu + self.activations + self.runtime
 
     @property
     def required(self) -> float:
@@ -193,15 +217,30 @@ class MemoryEstimate:
     @property
     def server_budget_need(self) -> float:
         """What the server allocates inside its max_memory_utilization share."""
-        return self.weights + self.draft_weights + self.kv_peak + self.activations
+        return self.weights_per_gpu + self.kv_peak_per_gpu + self.activations
 
     @property
     def kv_per_request(self) -> float:
         return self.kv_per_token * self.context_tokens
 
 
-def estimate_memory(config: StackConfig, reader: ConfigReader = read_local_config) -> MemoryEstimate:
+def check_tp(dims: ModelDims, tp: int) -> None:
+    """The KV cache is sharded by KV head: every rank must hold the same whole number of heads."""
+    if dims.num_kv_heads % tp:
+        raise CapacityError(
+            f"capacity plan: {dims.name} has {dims.num_kv_heads} KV heads, which do not split evenly across "
+            f"model.tensor_parallel_size {tp} ({dims.num_kv_heads} % {tp} = {dims.num_kv_heads % tp}); use a "
+            f"tensor_parallel_size that divides {dims.num_kv_heads}"
+        )
+
+
+def estimate_memory(
+    config: StackConfig, reader: ConfigReader = read_local_config, tp: int | None = None
+) -> MemoryEstimate:
+    """Memory of one server; `tp` overrides model.tensor_parallel_size (to ask what a larger one would need)."""
     target = model_dims(config.model, "model", reader)
+    tp = config.model.tensor_parallel_size if tp is None else tp
+    check_tp(target, tp)
     spec = config.speculative
     use_draft = config.uses_draft_model
     draft = model_dims(config.draft, "draft", reader) if use_draft and config.draft else None
@@ -222,6 +261,7 @@ def estimate_memory(config: StackConfig, reader: ConfigReader = read_local_confi
         kv_peak=kv_per_token * context * sched.max_concurrency,
         activations=activations,
         runtime=RUNTIME_OVERHEAD_BYTES,
+        tp=tp,
     )
 
 
@@ -243,6 +283,8 @@ def check_fit(estimate: MemoryEstimate, instance: InstanceType, max_memory_utili
     gpu = instance.gpu_memory_gib * GIB
     budget = gpu * max_memory_utilization
     problems = []
+    if instance.gpus < estimate.tp:
+        problems.append(f"{instance.gpus} GPU(s), model.tensor_parallel_size {estimate.tp} needs {estimate.tp}")
     if estimate.required > gpu:
         problems.append(f"needs {gib(estimate.required)} GiB with headroom, GPU has {gib(gpu)} GiB")
     if estimate.server_budget_need > budget:
@@ -295,14 +337,15 @@ class CapacityPlan:
 
     @property
     def decode_ceiling(self) -> float:
-        return decode_ceiling_tokens_per_s(self.instance.bandwidth_gb_s, self.estimate.weights)
+        # With tp GPUs each reads its shard at once (all-reduce latency not counted).
+        return decode_ceiling_tokens_per_s(self.instance.bandwidth_gb_s * self.estimate.tp, self.estimate.weights)
 
     @property
     def kv_capacity_tokens(self) -> int:
         """Tokens of KV cache the server's budget holds once weights and activations are in."""
         e = self.estimate
-        free = self.fit.server_budget - e.weights - e.draft_weights - e.activations
-        return max(0, int(free // e.kv_per_token))
+        free = self.fit.server_budget - e.weights_per_gpu - e.activations
+        return max(0, int(free // e.kv_per_token_per_gpu))
 
     def same_gpu_alternatives(self, limit: int) -> list[str]:
         """Other catalogued types that also fit with the same GPU model *and GPU count*, cheapest first
@@ -327,6 +370,10 @@ class CapacityPlan:
             "chosen": "auto" if self.stack_instance_type == "auto" else "given",
             "gpu": self.instance.gpu,
             "gpu_memory_gib": self.instance.gpu_memory_gib,
+            "gpus": self.instance.gpus,
+            "tensor_parallel_size": e.tp,
+            "weights_per_gpu_gib": round(e.weights_per_gpu / GIB, 2),
+            "kv_peak_per_gpu_gib": round(e.kv_peak_per_gpu / GIB, 2),
             "weights_gib": round(e.weights / GIB, 2),
             "draft_weights_gib": round(e.draft_weights / GIB, 2),
             "kv_per_token_mib": round(e.kv_per_token / MIB, 4),
@@ -356,19 +403,39 @@ class CapacityPlan:
             f"KV cache     {e.kv_per_token / MIB:.3f} MiB/token x {e.context_tokens} tokens = "
             f"{gib(e.kv_per_request)} GiB/request; x {e.concurrency} concurrent = {gib(e.kv_peak)} GiB peak",
             f"activations  {gib(e.activations)} GiB ({e.batched_tokens} tokens/step); runtime {gib(e.runtime)} GiB",
+        ]
+        if e.tp > 1:
+            lines.append(
+                f"parallel     tensor_parallel_size {e.tp}: per GPU weights {gib(e.weights)}/{e.tp} = "
+                f"{gib(e.weights / e.tp)} GiB" + (f" (+ draft {gib(e.draft_weights)} GiB on rank 0)" if e.draft else "")
+                + f", KV {e.target.num_kv_heads // e.tp} of {e.target.num_kv_heads} KV heads = "
+                f"{gib(e.kv_peak_per_gpu)} GiB peak; activations and runtime on every GPU"
+            )
+        lines += [
             f"total        {gib(e.total)} GiB; with {HEADROOM:.0%} headroom {gib(e.required)} GiB per GPU",
-            f"instance     {inst.name} ({'cheapest that fits' if self.stack_instance_type == 'auto' else 'given'}): "
-            f"{inst.gpu} {inst.gpu_memory_gib:g} GiB, {inst.bandwidth_gb_s:g} GB/s, ${inst.price_per_hour:.3f}/h",
+            f"instance     {inst.name} ({self._why_chosen()}): "
+            f"{inst.gpus}x {inst.gpu} {inst.gpu_memory_gib:g} GiB, {inst.bandwidth_gb_s:g} GB/s, "
+            f"${inst.price_per_hour:.3f}/h",
             f"server       budget {gib(self.fit.server_budget)} GiB (max_memory_utilization "
             f"{self.max_memory_utilization:g}); KV room {self.kv_capacity_tokens} tokens",
-            f"decode       batch-1 ceiling ~{self.decode_ceiling:.0f} tokens/s (bandwidth / weight bytes)",
+            f"decode       batch-1 ceiling ~{self.decode_ceiling:.0f} tokens/s (bandwidth"
+            + (f" x {e.tp} GPUs" if e.tp > 1 else "") + " / weight bytes)",
             f"fleet        {self.min_size}..{self.max_size} instances: ${self.min_size * inst.price_per_hour:.2f}"
             f"..${self.max_size * inst.price_per_hour:.2f}/h on demand (prices {CATALOG_PRICE_DATE}, us-east-1)",
         ]
         lines += [f"quota        {need.render()}" for need in self.vcpu_quota_need(self.capacity_type)]
-        if inst.gpus > 1:
-            lines.append(f"note         the engine serves from one GPU; {inst.gpus - 1} of {inst.gpus} GPUs stay idle")
+        if inst.gpus > e.tp:
+            lines.append(f"note         the server uses {e.tp} GPU(s) (model.tensor_parallel_size); "
+                         f"{inst.gpus - e.tp} of {inst.gpus} GPUs stay idle")
+        if e.tp > 1:
+            lines.append("note         planned and provisioned for tensor parallelism; the engine does not run it "
+                         "yet and refuses model.tensor_parallel_size > 1 at start-up")
         return "\n".join(lines)
+
+    def _why_chosen(self) -> str:
+        if self.stack_instance_type != "auto":
+            return "given"
+        return "cheapest that fits" + (f" with >= {self.estimate.tp} GPUs" if self.estimate.tp > 1 else "")
 
 
 def render_candidates(candidates: tuple[Fit, ...]) -> str:
@@ -406,10 +473,12 @@ def _does_not_fit(config: StackConfig, estimate: MemoryEstimate, fits: list[Fit]
     pool = [f for f in fits if f.instance.name == given] if given else fits
     biggest = max(pool, key=lambda f: (f.gpu_bytes, -f.instance.price_per_hour))
     where = f"fleet.instance_type {given}" if given else f"any catalogued type (largest: {biggest.instance.name})"
+    split = f" / tensor_parallel_size {e.tp}" if e.tp > 1 else ""
     lines = [
         f"capacity plan: {e.target.name} does not fit {where}",
-        f"  weights {gib(e.weights)} GiB + draft {gib(e.draft_weights)} GiB + KV peak {gib(e.kv_peak)} GiB "
-        f"({e.kv_per_token / MIB:.3f} MiB/token x {e.context_tokens} tokens x {e.concurrency} requests) "
+        f"  weights {gib(e.weights)} GiB{split} + draft {gib(e.draft_weights)} GiB + KV peak "
+        f"{gib(e.kv_peak_per_gpu)} GiB per GPU "
+        f"({e.kv_per_token_per_gpu / MIB:.3f} MiB/token x {e.context_tokens} tokens x {e.concurrency} requests) "
         f"+ activations {gib(e.activations)} GiB + runtime {gib(e.runtime)} GiB = {gib(e.total)} GiB; "
         f"x{1 + HEADROOM:g} headroom = {gib(e.required)} GiB",
     ]
@@ -436,9 +505,23 @@ def _does_not_fit(config: StackConfig, estimate: MemoryEstimate, fits: list[Fit]
         ok = [f.instance.name for f in sorted(fits, key=lambda f: f.instance.price_per_hour) if f.fits]
         if ok:
             lines.append(f"    - fleet.instance_type auto (cheapest that fits: {ok[0]})")
-    else:
-        lines.append("    - the bundled engine serves one model from one GPU; it does not shard across GPUs")
+    lines += _tp_suggestion(config, e)
     return CapacityError("\n".join(lines))
+
+
+def _tp_suggestion(config: StackConfig, estimate: MemoryEstimate) -> list[str]:
+    """The smallest larger model.tensor_parallel_size that fits some catalogued type, if any does."""
+    mmu = config.service.max_memory_utilization
+    for tp in (size for size in TP_SIZES if size > estimate.tp):
+        if estimate.target.num_kv_heads % tp:
+            continue
+        trial = replace(estimate, tp=tp)
+        ok = sorted((item for item in CATALOG if check_fit(trial, item, mmu).fits), key=lambda i: i.price_per_hour)
+        if ok:
+            return [f"    - model.tensor_parallel_size {estimate.tp} -> {tp} (cheapest that fits: {ok[0].name}, "
+                    f"{ok[0].gpus} GPUs, ${ok[0].price_per_hour:.2f}/h; planned and provisioned, the engine "
+                    "does not run it yet)"]
+    return ["    - no catalogued type fits even at model.tensor_parallel_size 8"]
 
 
 def plan(config: StackConfig, reader: ConfigReader = read_local_config) -> CapacityPlan:

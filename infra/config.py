@@ -32,6 +32,7 @@ from serving.config import (
     ServiceSection,
     SpeculativePolicy,
     StrictModel,
+    TensorParallelSize,
     format_validation_error,
     section_field,
 )
@@ -67,6 +68,7 @@ class ModelSpec(StrictModel):
     source: str = Field(..., description="Weights URI of this version: s3://bucket/prefix or file:///dir.")
     dtype: Dtype = Field("bf16", description="Serving precision.")
     quantization: Quantization = section_field(ModelSection, "quantization")
+    tensor_parallel_size: TensorParallelSize = section_field(ModelSection, "tensor_parallel_size")
     params_b: float | None = Field(None, gt=0, description="Parameter count in billions (capacity plan).")
     num_layers: int | None = Field(None, gt=0, description="Decoder layers (capacity plan).")
     hidden_size: int | None = Field(None, gt=0, description="Model width (capacity plan).")
@@ -357,6 +359,14 @@ class StackConfig(StrictModel):
             )
         if self.draft is not None and self.draft.quantization != "none":
             raise ValueError("draft.quantization: only the target's weights are quantized; leave it none")
+        if self.draft is not None and self.draft.tensor_parallel_size != 1:
+            raise ValueError("draft.tensor_parallel_size: the draft model is not sharded; leave it 1")
+        k8s = self.kubernetes
+        if self.platform == "kubernetes" and k8s is not None and k8s.gpus_per_pod < self.model.tensor_parallel_size:
+            raise ValueError(
+                f"kubernetes.gpus_per_pod ({k8s.gpus_per_pod}) is below model.tensor_parallel_size "
+                f"({self.model.tensor_parallel_size}): each pod needs one GPU per tensor-parallel rank"
+            )
         self._check_slots_have_drafts()
         self._check_platform_access()
         return self
@@ -616,6 +626,7 @@ def render_server_config(
             "max_memory_utilization": config.service.max_memory_utilization,
             "kv_cache_bytes": kv_cache_bytes,
             "quantization": config.model.quantization,
+            "tensor_parallel_size": config.model.tensor_parallel_size,
         },
         "scheduler": config.scheduler.model_dump(),
         "speculative": {**spec.model_dump(), "draft_model": draft_path if use_draft else None},

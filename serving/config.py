@@ -92,6 +92,8 @@ class ServiceSection(StrictModel):
 
 # Load-time weight quantization (serving/engine/quant.py); one definition for the server, engine and planner.
 Quantization = Literal["none", "int8", "fp8"]
+# GPUs one server shards its model across (attention/KV heads and MLP split); the planner sizes per GPU by it.
+TensorParallelSize = Literal[1, 2, 4, 8]
 
 
 class ModelSection(StrictModel):
@@ -110,6 +112,11 @@ class ModelSection(StrictModel):
     quantization: Quantization = Field(
         "none", description="Weights quantized at load: int8 weight-only per channel; fp8 (e4m3) needs a GPU of "
         "compute capability >= 8.9 and is refused elsewhere. The checkpoint on disk is unchanged.",
+    )
+    tensor_parallel_size: TensorParallelSize = Field(
+        1, description="GPUs the model is sharded across (1, 2, 4 or 8; KV heads must divide evenly). The capacity "
+        "plan and the platforms size and provision for it; the engine does not run tensor parallelism yet and "
+        "refuses more than 1 at start-up.",
     )
 
 

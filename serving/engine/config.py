@@ -56,6 +56,14 @@ class EngineConfig(StrictModel):
     @classmethod
     def from_server_config(cls, config: ServerConfig) -> EngineConfig:
         model, scheduler = config.model, config.scheduler
+        if model.tensor_parallel_size != 1:
+            # Planned and provisioned (capacity plan, GPU count) but not served: refuse rather than load
+            # a model sized for N GPUs onto one.
+            raise ValueError(
+                f"model.tensor_parallel_size {model.tensor_parallel_size}: the engine does not run tensor "
+                "parallelism yet; it serves from one GPU (set model.tensor_parallel_size 1, or quantize with "
+                "model.quantization to fit one GPU)"
+            )
         return cls(
             model=model.path,
             dtype=model.dtype,
