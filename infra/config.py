@@ -362,7 +362,8 @@ class StackConfig(StrictModel):
         if self.draft is not None and self.draft.tensor_parallel_size != 1:
             raise ValueError("draft.tensor_parallel_size: the draft model is not sharded; leave it 1")
         k8s = self.kubernetes
-        if self.platform == "kubernetes" and k8s is not None and k8s.gpus_per_pod < self.model.tensor_parallel_size:
+        tp = self.model.tensor_parallel_size
+        if self.platform == "kubernetes" and k8s is not None and tp > 1 and k8s.gpus_per_pod < tp:
             raise ValueError(
                 f"kubernetes.gpus_per_pod ({k8s.gpus_per_pod}) is below model.tensor_parallel_size "
                 f"({self.model.tensor_parallel_size}): each pod needs one GPU per tensor-parallel rank"
