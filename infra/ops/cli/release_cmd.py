@@ -1,8 +1,8 @@
 """`specdeploy rollout` and `specdeploy rollback`: blue/green traffic with gates, and the way back.
 
 The machinery lives in ``infra.ops.release``; this module parses options, connects it
-to the stack's platform (ALB + CloudWatch on aws, ingress-nginx + Prometheus on
-kubernetes) and prints what the operator must do next. boto3 and the release
+to the stack's platform (ALB + CloudWatch on aws, ingress-nginx or a Gateway API HTTPRoute +
+Prometheus on kubernetes) and prints what the operator must do next. boto3 and the release
 modules are imported only when a command runs.
 """
 
@@ -126,12 +126,12 @@ def _schedule(args: argparse.Namespace) -> tuple[list[int], float, float]:
 def _slot_metrics(stack: StackFile, release: Release, slot: str, endpoints: list[str]) -> SlotMetrics | None:
     """Where the error-rate and P99 gate reads the new slot's /metrics; None turns that gate off."""
     from infra.ops.release.gates import SlotMetrics, http_fetch
-    from infra.ops.release.kubernetes import IngressCanaryRouter
+    from infra.ops.release.kubernetes import HttpRouteRouter, IngressCanaryRouter
 
     if endpoints:
         return SlotMetrics(endpoints, http_fetch(os.environ.get("SPECDEPLOY_API_KEY")))
     router = release.router
-    if isinstance(router, IngressCanaryRouter) and not stack.config.service.metrics_require_auth:
+    if isinstance(router, IngressCanaryRouter | HttpRouteRouter) and not stack.config.service.metrics_require_auth:
         # No port-forward needed: read every pod of the slot through the API server's proxy.
         port = stack.config.service.port
         release.log.write("metrics_via_api_proxy", slot=slot)
@@ -280,7 +280,7 @@ def _connect(stack: StackFile, options: TargetOptions, args: argparse.Namespace,
         namespace = options.namespace or outputs.get(targets.OUT_NAMESPACE) or (spec.namespace if spec else None)
         api = kubernetes.KubeApi.from_environment(Path(options.kubeconfig) if options.kubeconfig else None,
                                                   options.kube_context)
-        router = kubernetes.IngressCanaryRouter(api, str(namespace))
+        router = kubernetes.router_for(spec.routing if spec else "ingress-nginx", api, str(namespace))
         prometheus = options.prometheus_url or env.get(targets.ENV_PROMETHEUS_URL)
         if with_alarms and prometheus:
             from infra.alerts import alert_rules

@@ -1,9 +1,11 @@
-"""Kubernetes: the ingress-nginx canary weight, Deployment readiness, Prometheus alerts.
+"""Kubernetes: ingress-nginx canary or HTTPRoute weights, Deployment readiness, Prometheus alerts.
 
 The routing component (``infra/components/kubernetes/routing.py``) renders a primary Ingress
 to the active slot's Service and a canary Ingress (``nginx.ingress.kubernetes.io/canary``)
 to the idle slot's Service whose ``canary-weight`` annotation is the idle slot's share.
-Shifting traffic is one merge PATCH of that annotation. The API server is reached
+Shifting traffic is one merge PATCH of that annotation. With ``kubernetes.routing:
+gateway-api`` (``gateway_routing.py``) the split is the weights of one HTTPRoute's
+backendRefs to the two slots' Services instead, changed by one merge PATCH of its rules. The API server is reached
 with plain HTTPS (stdlib only, so the ``infra`` extra needs no Kubernetes client): in
 a pod through its service account, elsewhere through the kubeconfig (token, client
 certificate or an exec credential plugin such as ``aws eks get-token``).
@@ -12,6 +14,7 @@ certificate or an exec credential plugin such as ``aws eks get-token``).
 from __future__ import annotations
 
 import base64
+import copy
 import json
 import os
 import ssl
@@ -28,6 +31,7 @@ from typing import Any
 import yaml
 
 from infra.components.kubernetes.common import APP, SLOT_LABEL, server_selector, slot_object_name
+from infra.config import SLOTS
 from infra.ops.release.model import ReleaseError, Weights, as_slot, other
 from infra.ops.release.traffic import FiringAlarm, SlotStatus
 
@@ -197,12 +201,36 @@ def _exec_token(spec: Mapping[str, Any]) -> str:
     return token
 
 
-# --- the router ---------------------------------------------------------------------------------
+# --- the routers ----------------------------------------------------------------------------------
 
-class IngressCanaryRouter:
+class _SlotRouter:
+    """What both routing flavours share: the slots' Deployments and pods in one namespace."""
+
+    description: str
+
     def __init__(self, api: KubeApi, namespace: str) -> None:
         self.api = api
         self.namespace = namespace
+
+    def pod_proxies(self, slot: str, port: int) -> list[str]:
+        """API-server proxy paths of the slot's running pods: their /metrics without a port-forward."""
+        selector = ",".join(f"{k}={v}" for k, v in server_selector(slot).items())
+        pods = self.api.get(f"/api/v1/namespaces/{self.namespace}/pods", labelSelector=selector).get("items", [])
+        return [f"/api/v1/namespaces/{self.namespace}/pods/{pod['metadata']['name']}:{port}/proxy"
+                for pod in pods if pod.get("status", {}).get("phase") == "Running"]
+
+    def slot_status(self, slot: str) -> SlotStatus:
+        name = slot_object_name(slot)
+        try:
+            deployment = self.api.get(f"/apis/apps/v1/namespaces/{self.namespace}/deployments/{name}")
+        except ReleaseError as exc:
+            return SlotStatus(False, f"deployment {name}: {exc}")
+        return deployment_status(deployment)
+
+
+class IngressCanaryRouter(_SlotRouter):
+    def __init__(self, api: KubeApi, namespace: str) -> None:
+        super().__init__(api, namespace)
         self.description = f"ingress-nginx canary in namespace {namespace}"
 
     def _ingresses(self) -> tuple[Mapping[str, Any], Mapping[str, Any] | None]:
@@ -226,20 +254,103 @@ class IngressCanaryRouter:
         self.api.merge_patch(f"/apis/networking.k8s.io/v1/namespaces/{self.namespace}/ingresses/{name}",
                              canary_patch(canary, weights))
 
-    def pod_proxies(self, slot: str, port: int) -> list[str]:
-        """API-server proxy paths of the slot's running pods: their /metrics without a port-forward."""
-        selector = ",".join(f"{k}={v}" for k, v in server_selector(slot).items())
-        pods = self.api.get(f"/api/v1/namespaces/{self.namespace}/pods", labelSelector=selector).get("items", [])
-        return [f"/api/v1/namespaces/{self.namespace}/pods/{pod['metadata']['name']}:{port}/proxy"
-                for pod in pods if pod.get("status", {}).get("phase") == "Running"]
 
-    def slot_status(self, slot: str) -> SlotStatus:
-        name = slot_object_name(slot)
-        try:
-            deployment = self.api.get(f"/apis/apps/v1/namespaces/{self.namespace}/deployments/{name}")
-        except ReleaseError as exc:
-            return SlotStatus(False, f"deployment {name}: {exc}")
-        return deployment_status(deployment)
+# --- Gateway API: the weights of the HTTPRoute's backendRefs --------------------------------------
+
+HTTPROUTES = "/apis/gateway.networking.k8s.io/v1/namespaces/{}/httproutes"
+_SERVICE_SLOTS: dict[str, str] = {slot_object_name(slot): str(slot) for slot in SLOTS}
+
+
+def the_route(routes: Sequence[Mapping[str, Any]], namespace: str) -> Mapping[str, Any]:
+    """The stack's one routing HTTPRoute (``infra/components/kubernetes/gateway_routing.py``)."""
+    if len(routes) != 1:
+        names = ", ".join(str(r.get("metadata", {}).get("name")) for r in routes) or "none"
+        raise ReleaseError(f"expected one routing HTTPRoute ({ROUTING_SELECTOR}) in namespace {namespace}, "
+                           f"found: {names}; run `pulumi up` with kubernetes.routing gateway-api first")
+    return routes[0]
+
+
+def _slot_backends(route: Mapping[str, Any]) -> list[tuple[int, int, str]]:
+    """(rule index, backend index, slot) of every backendRef that is a slot's Service."""
+    found: list[tuple[int, int, str]] = []
+    for r, rule in enumerate(route.get("spec", {}).get("rules") or []):
+        for b, backend in enumerate(rule.get("backendRefs") or []):
+            if backend.get("kind", "Service") == "Service" and backend.get("name") in _SERVICE_SLOTS:
+                found.append((r, b, _SERVICE_SLOTS[backend["name"]]))
+    return found
+
+
+def route_weights(route: Mapping[str, Any]) -> Weights:
+    """The split an HTTPRoute routes, in percent per slot; both slots must be among its backends."""
+    name = route.get("metadata", {}).get("name")
+    rules = route.get("spec", {}).get("rules") or []
+    backends = _slot_backends(route)
+    slots = {slot for _, _, slot in backends}
+    if set(SLOTS) - slots:
+        raise ReleaseError(f"HTTPRoute {name} has no backendRef for slot(s) {', '.join(sorted(set(SLOTS) - slots))}: "
+                           "define both slots in the stack's release and run `pulumi up` before shifting traffic")
+    split: Weights | None = None
+    for r, rule in enumerate(rules):
+        raw = {slot: int(rule["backendRefs"][b].get("weight", 1)) for rr, b, slot in backends if rr == r}
+        if not raw:
+            continue
+        total = sum(raw.values())
+        if total == 0:
+            raise ReleaseError(f"HTTPRoute {name} rule {r}: every slot backend has weight 0 (no traffic served)")
+        first = round(100 * raw.get(SLOTS[0], 0) / total)
+        rule_split: Weights = {str(SLOTS[0]): first, str(SLOTS[1]): 100 - first}
+        if split is not None and rule_split != split:
+            raise ReleaseError(f"HTTPRoute {name}: its rules split traffic differently ({split} vs {rule_split}); "
+                               "set one split with `pulumi up` first")
+        split = rule_split
+    assert split is not None  # both slots have a backend, so some rule has one
+    return split
+
+
+def route_patch(route: Mapping[str, Any], weights: Weights) -> dict[str, Any]:
+    """JSON merge patch that makes ``route`` route ``weights``.
+
+    A merge patch replaces lists whole, so it carries every rule with only the slot backends'
+    weights changed, and the route's resourceVersion: a route changed since it was read is
+    answered 409 instead of being overwritten.
+    """
+    rules = copy.deepcopy(list(route.get("spec", {}).get("rules") or []))
+    for r, b, slot in _slot_backends(route):
+        rules[r]["backendRefs"][b]["weight"] = int(weights[slot])
+    patch: dict[str, Any] = {"spec": {"rules": rules}}
+    version = route.get("metadata", {}).get("resourceVersion")
+    if version:
+        patch["metadata"] = {"resourceVersion": version}
+    return patch
+
+
+class HttpRouteRouter(_SlotRouter):
+    """``kubernetes.routing: gateway-api``: one HTTPRoute whose backendRefs weigh the slots' Services."""
+
+    def __init__(self, api: KubeApi, namespace: str) -> None:
+        super().__init__(api, namespace)
+        self.description = f"Gateway API HTTPRoute weights in namespace {namespace}"
+
+    def _route(self) -> Mapping[str, Any]:
+        listing = self.api.get(HTTPROUTES.format(self.namespace), labelSelector=ROUTING_SELECTOR)
+        return the_route(listing.get("items", []), self.namespace)
+
+    def weights(self) -> Weights:
+        return route_weights(self._route())
+
+    def set_weights(self, weights: Weights) -> None:
+        route = self._route()
+        name = route["metadata"]["name"]
+        self.api.merge_patch(f"{HTTPROUTES.format(self.namespace)}/{name}", route_patch(route, weights))
+
+
+def router_for(routing: str, api: KubeApi, namespace: str) -> IngressCanaryRouter | HttpRouteRouter:
+    """The router of a stack's ``kubernetes.routing``."""
+    if routing == "gateway-api":
+        return HttpRouteRouter(api, namespace)
+    if routing == "ingress-nginx":
+        return IngressCanaryRouter(api, namespace)
+    raise ReleaseError(f"kubernetes.routing {routing!r}: rollout supports ingress-nginx and gateway-api")
 
 
 def deployment_status(deployment: Mapping[str, Any]) -> SlotStatus:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
@@ -26,6 +27,7 @@ from infra.config import load_stack
 from infra.ops.cli.main import main
 from infra.ops.release.kubernetes import (
     CANARY_WEIGHT_ANNOTATION,
+    HTTPROUTES,
     canary_patch,
     canary_slot,
     canary_weights,
@@ -135,15 +137,24 @@ class FakeApiServer:
 def _path(obj: dict[str, Any]) -> str:
     meta = obj["metadata"]
     collection = {"Ingress": "/apis/networking.k8s.io/v1/namespaces/{}/ingresses",
+                  "HTTPRoute": HTTPROUTES,
                   "Deployment": "/apis/apps/v1/namespaces/{}/deployments"}[obj["kind"]]
     return f"{collection.format(meta['namespace'])}/{meta['name']}"
 
 
 @pytest.fixture
 def api_server(rendered: list[dict[str, Any]]) -> Iterator[FakeApiServer]:
+    with serve_objects(rendered) as fake:
+        yield fake
+
+
+@contextmanager
+def serve_objects(rendered: list[dict[str, Any]]) -> Iterator[FakeApiServer]:
+    """A loopback stand-in for the API server holding the rendered routing objects and Deployments."""
     objects: dict[str, dict[str, Any]] = {}
     for obj in copy.deepcopy(rendered):
-        if obj["kind"] in ("Ingress", "Deployment"):
+        if obj["kind"] in ("Ingress", "HTTPRoute", "Deployment"):
+            obj["metadata"]["resourceVersion"] = "1"
             if obj["kind"] == "Deployment":
                 obj["metadata"]["generation"] = 1
                 obj["status"] = {"readyReplicas": 1, "updatedReplicas": obj["spec"].get("replicas", 1),
@@ -179,11 +190,11 @@ def api_server(rendered: list[dict[str, Any]]) -> Iterator[FakeApiServer]:
                 self.end_headers()
                 self.wfile.write(body)
                 return None
-            if url.path.endswith("/ingresses"):
+            if url.path.endswith(("/ingresses", "/httproutes")):
                 wanted = dict(s.split("=") for s in parse_qs(url.query)["labelSelector"][0].split(","))
                 items = [o for p, o in fake.objects.items() if p.startswith(url.path + "/")
                          and wanted.items() <= o["metadata"].get("labels", {}).items()]
-                return self._reply(200, {"kind": "IngressList", "items": items})
+                return self._reply(200, {"kind": "List", "items": items})
             return self._reply(404, {"kind": "Status", "reason": "NotFound"})
 
         def do_PATCH(self) -> None:  # noqa: N802
@@ -191,7 +202,11 @@ def api_server(rendered: list[dict[str, Any]]) -> Iterator[FakeApiServer]:
             assert self.headers["Content-Type"] == "application/merge-patch+json"
             assert self.headers["Authorization"] == "Bearer test-token"
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            current = fake.objects[self.path]["metadata"]["resourceVersion"]
+            if body.get("metadata", {}).get("resourceVersion", current) != current:
+                return self._reply(409, {"kind": "Status", "reason": "Conflict"})
             fake.objects[self.path] = merge_patch(fake.objects[self.path], body)
+            fake.objects[self.path]["metadata"]["resourceVersion"] = str(int(current) + 1)
             return self._reply(200, fake.objects[self.path])
 
         def log_message(self, *args: Any) -> None:
