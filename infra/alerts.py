@@ -39,8 +39,38 @@ class AlertRule:
                f"Runbook: {self.runbook_url(base_url)}"
 
 
-def _quantile(metric: str, q: float, window: str = "5m") -> str:
-    return f"histogram_quantile({q}, sum by (le) (rate({metric}_bucket[{window}])))"
+@dataclass(frozen=True)
+class _Scope:
+    """Which series a rule reads and per what it fires.
+
+    On Kubernetes the ServiceMonitor's targets carry ``namespace`` (the Prometheus Operator
+    sets it from the scraped Service) and ``slot`` (relabelled from the Service's
+    ``specdeploy.dev/slot`` label, ``infra/components/kubernetes/observability.py``): every
+    rule selects the stack's namespace and aggregates per slot, so another namespace's
+    servers never enter the ratio and one slot's errors are not diluted by the other's
+    traffic. Elsewhere (one fleet, no such labels) the expressions are unscoped.
+    """
+
+    matchers: tuple[str, ...] = ()
+    group: tuple[str, ...] = ()
+
+    def select(self, metric: str, *extra: str) -> str:
+        matchers = (*self.matchers, *extra)
+        return f"{metric}{{{','.join(matchers)}}}" if matchers else metric
+
+    def by(self, *labels: str) -> str:
+        grouping = (*self.group, *labels)
+        return f" by ({', '.join(grouping)}) " if grouping else ""
+
+
+def _scope(config: StackConfig) -> _Scope:
+    if config.kubernetes is None:
+        return _Scope()
+    return _Scope(matchers=(f'namespace="{config.kubernetes.namespace}"',), group=("slot",))
+
+
+def _quantile(scope: _Scope, metric: str, q: float, window: str = "5m") -> str:
+    return f"histogram_quantile({q}, sum{scope.by('le')}(rate({scope.select(metric + '_bucket')}[{window}])))"
 
 
 def alert_rules(config: StackConfig) -> list[AlertRule]:
@@ -48,6 +78,12 @@ def alert_rules(config: StackConfig) -> list[AlertRule]:
     a = config.alerting
     minutes = a.evaluation_minutes
     min_fleet = config.kubernetes.min_replicas if config.kubernetes else config.fleet.min_size
+    scope = _scope(config)
+    # The baseline is the serving slot's: on Kubernetes the active slot's pods alone count,
+    # so a ready idle slot cannot hide an active slot that is down.
+    fleet = _Scope(scope.matchers + ((f'slot="{config.slots.active}"',) if config.kubernetes else ()))
+    requests = scope.select(f"{m.REQUESTS}_total")
+    errors = scope.select(f"{m.REQUESTS}_total", 'status=~"5.."')
     return [
         AlertRule(
             name="SpecdeployHighErrorRate",
@@ -57,8 +93,8 @@ def alert_rules(config: StackConfig) -> list[AlertRule]:
             comparison=">",
             for_minutes=minutes,
             promql=(
-                f'sum(rate({m.REQUESTS}_total{{status=~"5.."}}[5m])) / '
-                f"clamp_min(sum(rate({m.REQUESTS}_total[5m])), 1e-9) > {a.error_rate_critical:g}"
+                f"sum{scope.by()}(rate({errors}[5m])) / "
+                f"clamp_min(sum{scope.by()}(rate({requests}[5m])), 1e-9) > {a.error_rate_critical:g}"
             ),
             server_metrics=(f"{m.REQUESTS}_total",),
             unit="",
@@ -70,7 +106,7 @@ def alert_rules(config: StackConfig) -> list[AlertRule]:
             threshold=a.p99_latency_s,
             comparison=">",
             for_minutes=minutes,
-            promql=f"{_quantile(m.E2E, 0.99)} > {a.p99_latency_s:g}",
+            promql=f"{_quantile(scope, m.E2E, 0.99)} > {a.p99_latency_s:g}",
             server_metrics=(f"{m.E2E}_bucket",),
             unit="s",
         ),
@@ -81,7 +117,7 @@ def alert_rules(config: StackConfig) -> list[AlertRule]:
             threshold=a.p99_ttft_s,
             comparison=">",
             for_minutes=minutes,
-            promql=f"{_quantile(m.TTFT, 0.99)} > {a.p99_ttft_s:g}",
+            promql=f"{_quantile(scope, m.TTFT, 0.99)} > {a.p99_ttft_s:g}",
             server_metrics=(f"{m.TTFT}_bucket",),
             unit="s",
         ),
@@ -92,7 +128,7 @@ def alert_rules(config: StackConfig) -> list[AlertRule]:
             threshold=float(a.queue_length_warn),
             comparison=">",
             for_minutes=minutes,
-            promql=f"max({m.WAITING}) > {a.queue_length_warn}",
+            promql=f"max{scope.by()}({scope.select(m.WAITING)}) > {a.queue_length_warn}",
             server_metrics=(m.WAITING,),
         ),
         AlertRule(
@@ -103,7 +139,8 @@ def alert_rules(config: StackConfig) -> list[AlertRule]:
             comparison=">=",
             for_minutes=minutes,
             promql=(
-                f"max({m.GPU_MEMORY_USED} / clamp_min({m.GPU_MEMORY_TOTAL}, 1)) >= {a.gpu_memory_warn_ratio:g}"
+                f"max{scope.by()}({scope.select(m.GPU_MEMORY_USED)} / clamp_min({scope.select(m.GPU_MEMORY_TOTAL)}, 1))"
+                f" >= {a.gpu_memory_warn_ratio:g}"
             ),
             server_metrics=(m.GPU_MEMORY_USED, m.GPU_MEMORY_TOTAL),
         ),
@@ -114,7 +151,7 @@ def alert_rules(config: StackConfig) -> list[AlertRule]:
             threshold=a.gpu_utilization_high_ratio,
             comparison=">=",
             for_minutes=max(minutes, 15),
-            promql=f"avg({m.GPU_UTILIZATION}) >= {a.gpu_utilization_high_ratio:g}",
+            promql=f"avg{scope.by()}({scope.select(m.GPU_UTILIZATION)}) >= {a.gpu_utilization_high_ratio:g}",
             server_metrics=(m.GPU_UTILIZATION,),
         ),
         AlertRule(
@@ -124,7 +161,7 @@ def alert_rules(config: StackConfig) -> list[AlertRule]:
             threshold=0,
             comparison=">",
             for_minutes=2,
-            promql=f"count({m.READY} == 0) > 0",
+            promql=f"count{scope.by()}({scope.select(m.READY)} == 0) > 0",
             server_metrics=(m.READY,),
         ),
         AlertRule(
@@ -135,7 +172,7 @@ def alert_rules(config: StackConfig) -> list[AlertRule]:
             comparison="<",
             for_minutes=5,
             # `or vector(0)`: with every instance gone there is no series left to count.
-            promql=f"(count({m.READY} == 1) or vector(0)) < {min_fleet}",
+            promql=f"(count({fleet.select(m.READY)} == 1) or vector(0)) < {min_fleet}",
             server_metrics=(m.READY,),
         ),
     ]

@@ -2,7 +2,9 @@
 
 The PrometheusRule renders ``infra.alerts.alert_rules`` — the same alert set the AWS
 platform renders as CloudWatch alarms — with each alert's ``runbook_url``. The
-ServiceMonitor scrapes every slot's Service and labels series with ``slot``; the
+ServiceMonitor scrapes every slot's Service and labels series with ``slot`` (the
+Prometheus Operator adds ``namespace``); the rules select the stack's namespace and
+fire per slot, ``SpecdeployFleetBelowMinimum`` on the active slot alone; the
 dashboard ConfigMap carries the label Grafana's sidecar discovers dashboards by.
 """
 

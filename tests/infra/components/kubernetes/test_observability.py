@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pulumi
@@ -16,20 +17,28 @@ PROD = load_stack("k8s-prod").config
 RULES = alert_rules(PROD)
 # The k8s-prod rules written out by hand (stacks/Pulumi.k8s-prod.yaml's alerting section and
 # kubernetes.min_replicas), not computed by alert_rules(): name -> (severity, for, PromQL).
-K8S_PROD_RULES = {
-    "SpecdeployHighErrorRate": ("critical", "5m", 'sum(rate(specdeploy_requests_total{status=~"5.."}[5m])) / '
-                                "clamp_min(sum(rate(specdeploy_requests_total[5m])), 1e-9) > 0.01"),
-    "SpecdeployHighP99Latency": ("warning", "5m", "histogram_quantile(0.99, sum by (le) "
-                                 "(rate(specdeploy_e2e_request_latency_seconds_bucket[5m]))) > 30"),
-    "SpecdeployHighP99Ttft": ("warning", "5m", "histogram_quantile(0.99, sum by (le) "
-                              "(rate(specdeploy_time_to_first_token_seconds_bucket[5m]))) > 1.5"),
-    "SpecdeployQueueBacklog": ("warning", "5m", "max(specdeploy_requests_waiting) > 32"),
-    "SpecdeployGpuMemoryHigh": ("warning", "5m", "max(specdeploy_gpu_memory_used_bytes / "
-                                "clamp_min(specdeploy_gpu_memory_total_bytes, 1)) >= 0.85"),
-    "SpecdeployGpuUtilizationHigh": ("warning", "15m", "avg(specdeploy_gpu_utilization_ratio) >= 0.95"),
-    "SpecdeployUnhealthyHosts": ("critical", "2m", "count(specdeploy_ready == 0) > 0"),
-    "SpecdeployFleetBelowMinimum": ("critical", "5m", "(count(specdeploy_ready == 1) or vector(0)) < 2"),
+_K8S_PROD_RULES = {
+    "SpecdeployHighErrorRate": ("critical", "5m",
+                                'sum by (slot) (rate(specdeploy_requests_total{@,status=~"5.."}[5m]))'
+                                ' / clamp_min(sum by (slot) (rate(specdeploy_requests_total{@}[5m])),'
+                                " 1e-9) > 0.01"),
+    "SpecdeployHighP99Latency": ("warning", "5m", "histogram_quantile(0.99, sum by (slot, le) (rate("
+                                 'specdeploy_e2e_request_latency_seconds_bucket{@}[5m]))) > 30'),
+    "SpecdeployHighP99Ttft": ("warning", "5m", "histogram_quantile(0.99, sum by (slot, le) (rate("
+                              'specdeploy_time_to_first_token_seconds_bucket{@}[5m]))) > 1.5'),
+    "SpecdeployQueueBacklog": ("warning", "5m", 'max by (slot) (specdeploy_requests_waiting{@}) > 32'),
+    "SpecdeployGpuMemoryHigh": ("warning", "5m", 'max by (slot) (specdeploy_gpu_memory_used_bytes{@}'
+                                ' / clamp_min(specdeploy_gpu_memory_total_bytes{@}, 1)) >= 0.85'),
+    "SpecdeployGpuUtilizationHigh": ("warning", "15m",
+                                     'avg by (slot) (specdeploy_gpu_utilization_ratio{@}) >= 0.95'),
+    "SpecdeployUnhealthyHosts": ("critical", "2m", 'count by (slot) (specdeploy_ready{@} == 0) > 0'),
+    # Blue is k8s-prod's active slot: only its ready pods count towards the baseline.
+    "SpecdeployFleetBelowMinimum": ("critical", "5m",
+                                    '(count(specdeploy_ready{@,slot="blue"} == 1) or vector(0)) < 2'),
 }
+# `@` stands for the namespace matcher every selection carries.
+K8S_PROD_RULES = {name: (severity, duration, expr.replace("@", 'namespace="specdeploy"'))
+                  for name, (severity, duration, expr) in _K8S_PROD_RULES.items()}
 EXPECTED_PANELS = {"Time to first token", "Time per output token", "Throughput", "Queue", "KV cache usage",
                    "Speculative acceptance rate", "Errors"}
 
@@ -168,3 +177,52 @@ def test_series_parser_catches_a_foreign_metric(series_of: Any) -> None:
     assert series_of('sum(rate(vllm:num_requests_waiting{pod="x"}[5m]))') == {"vllm:num_requests_waiting"}
     assert series_of("histogram_quantile(0.9, sum by (le) (rate(specdeploy_ttft_bucket[5m])))") == {
         "specdeploy_ttft_bucket"}
+
+
+def _selectors(expr: str) -> dict[str, list[set[str]]]:
+    """Each server series an expression selects -> the label matchers of each of its selections."""
+    found: dict[str, list[set[str]]] = {}
+    for name, matchers in re.findall(r"\b(specdeploy_[a-zA-Z0-9_]+)(\{[^}]*\})?", expr):
+        found.setdefault(name, []).append(set(re.findall(r'[a-z_]+=~?"[^"]*"', matchers)))
+    return found
+
+
+def _with(config: Any, **kubernetes: Any) -> Any:
+    assert config.kubernetes is not None
+    return config.model_copy(update={"kubernetes": config.kubernetes.model_copy(update=kubernetes)})
+
+
+@pytest.mark.parametrize("namespace", ["specdeploy", "llm-staging"])
+def test_every_rule_selects_only_the_stack_namespace(namespace: str) -> None:
+    for rule in alert_rules(_with(PROD, namespace=namespace)):
+        selections = _selectors(rule.promql)
+        assert set(selections) == set(rule.server_metrics), rule.promql
+        for name, matchers in selections.items():
+            assert all(f'namespace="{namespace}"' in m for m in matchers), f"{name} unscoped in {rule.promql}"
+
+
+def test_rules_over_the_serving_signals_fire_per_slot() -> None:
+    # One slot's errors are not diluted by the other slot's traffic, and the alert says which slot.
+    for rule in RULES:
+        if rule.name != "SpecdeployFleetBelowMinimum":
+            assert re.search(r"\b(sum|max|avg|count) by \(slot(, le)?\) \(", rule.promql), rule.promql
+
+
+@pytest.mark.parametrize("active", ["blue", "green"])
+def test_fleet_below_minimum_counts_the_active_slot_only(active: str) -> None:
+    config = PROD.model_copy(update={"release": PROD.slots.model_copy(update={"active": active})})
+    [fleet] = [r for r in alert_rules(config) if r.name == "SpecdeployFleetBelowMinimum"]
+    [matchers] = _selectors(fleet.promql)["specdeploy_ready"]
+    assert matchers == {'namespace="specdeploy"', f'slot="{active}"'}
+    assert " by (" not in fleet.promql  # one count over the active slot's pods, not one per slot
+
+
+def test_the_slot_and_namespace_labels_the_rules_select_are_put_on_the_series(prod: Any) -> None:
+    # `slot` comes from the ServiceMonitor's relabeling of the Service label; `namespace` is set on every
+    # ServiceMonitor target by the Prometheus Operator from the scraped Service's namespace.
+    from infra.components.kubernetes.common import SLOT_LABEL
+    from infra.components.kubernetes.observability import _slot_relabeling
+
+    relabel = _slot_relabeling()
+    assert relabel["targetLabel"] == "slot"
+    assert relabel["sourceLabels"] == ["__meta_kubernetes_service_label_" + re.sub(r"\W", "_", SLOT_LABEL)]
