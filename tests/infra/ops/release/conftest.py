@@ -207,3 +207,18 @@ def prod_copy(tmp_path: Path) -> Path:
     (stacks / "Pulumi.prod.yaml").write_text(text.replace(marker, green + marker), encoding="utf-8")
     shutil.copy(project_stacks_dir() / "Pulumi.k8s-prod.yaml", stacks / "Pulumi.k8s-prod.yaml")
     return stacks
+
+
+@pytest.fixture
+def kubeconfig(api_server: Any, tmp_path: Path) -> Path:
+    """A kubeconfig pointing at the test module's loopback API server (its `api_server` fixture)."""
+    import yaml
+
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "test",
+        "clusters": [{"name": "test", "cluster": {"server": api_server.url}}],
+        "users": [{"name": "test", "user": {"token": "test-token"}}],
+        "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}],
+    }))
+    return path

@@ -97,20 +97,6 @@ def gateway_copy(prod_copy: Path) -> Path:
     return prod_copy
 
 
-@pytest.fixture
-def kubeconfig(api_server: FakeApiServer, tmp_path: Path) -> Path:
-    import yaml
-
-    path = tmp_path / "kubeconfig"
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "test",
-        "clusters": [{"name": "test", "cluster": {"server": api_server.url}}],
-        "users": [{"name": "test", "user": {"token": "test-token"}}],
-        "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}],
-    }))
-    return path
-
-
 def test_rollout_moves_the_route_weights_and_updates_the_stack_file(
         api_server: FakeApiServer, kubeconfig: Path, gateway_copy: Path, slot_server: SlotServer,
         capsys: pytest.CaptureFixture[str]) -> None:

@@ -21,7 +21,6 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 import pytest
-import yaml
 
 from infra.config import load_stack
 from infra.ops.cli.main import main
@@ -215,18 +214,6 @@ def serve_objects(rendered: list[dict[str, Any]]) -> Iterator[FakeApiServer]:
     with loopback_http(Handler) as url:
         fake.url = url
         yield fake
-
-
-@pytest.fixture
-def kubeconfig(api_server: FakeApiServer, tmp_path: Path) -> Path:
-    path = tmp_path / "kubeconfig"
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "test",
-        "clusters": [{"name": "test", "cluster": {"server": api_server.url}}],
-        "users": [{"name": "test", "user": {"token": "test-token"}}],
-        "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}],
-    }))
-    return path
 
 
 def k8s(command: str, stacks: Path, kubeconfig: Path, *extra: str) -> int:
