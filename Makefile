@@ -42,7 +42,7 @@ demo: $(STAMP)
 	$(BIN)/python -m infra.ops.demo
 
 soak: $(STAMP)
-	$(BIN)/pytest -m soak
+	SPECDEPLOY_SOAK_REPORT=$(CURDIR)/reports/soak-$$(date -u +%Y%m%dT%H%M%SZ) $(BIN)/pytest -m soak
 
 # The API fuzz alone (also part of `make test`): hypothesis against the served /openapi.json (~20 s).
 fuzz: $(STAMP)
