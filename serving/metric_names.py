@@ -12,6 +12,7 @@ REQUESTS = f"{PREFIX}_requests"  # labels: endpoint, status (HTTP code)
 PROMPT_TOKENS = f"{PREFIX}_prompt_tokens"
 GENERATION_TOKENS = f"{PREFIX}_generation_tokens"
 PREEMPTIONS = f"{PREFIX}_preemptions"
+STEP_FAILURES = f"{PREFIX}_engine_step_failures"  # steps that raised; their requests failed, the engine went on
 SPEC_DRAFTS = f"{PREFIX}_spec_drafts"  # verify steps that carried at least one draft token
 SPEC_DRAFT_TOKENS = f"{PREFIX}_spec_draft_tokens"
 SPEC_ACCEPTED_TOKENS = f"{PREFIX}_spec_accepted_tokens"

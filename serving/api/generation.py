@@ -37,6 +37,7 @@ from serving.engine.types import (
     RequestOutput,
     RequestRejected,
     SamplingParams,
+    StepFailedError,
     TokenLogprobs,
 )
 
@@ -192,6 +193,10 @@ class GenerationRun:
                 except EngineDeadError as exc:
                     raise ApiError(503, f"engine unavailable: {exc}", code="engine_unavailable",
                                    retry_after=5) from exc
+                except StepFailedError as exc:  # this request's batch failed; the engine goes on
+                    in_engine = False
+                    raise ApiError(503, f"generation failed: {exc}; retry the request", code="engine_step_failed",
+                                   retry_after=1) from exc
                 except TimeoutError:
                     raise ApiError(504, f"request timed out after {timeout:g}s; generation aborted",
                                    code="request_timeout") from None

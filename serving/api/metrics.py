@@ -62,6 +62,9 @@ class ServerMetrics:
         self.generation_tokens = Counter(_counter_name(names.GENERATION_TOKENS), "Tokens generated", registry=reg)
         self.preemptions = Counter(_counter_name(names.PREEMPTIONS), "Requests preempted (recomputed)",
                                    registry=reg)
+        self.step_failures = Counter(_counter_name(names.STEP_FAILURES),
+                                     "Engine steps that raised (their requests failed with 503, the engine went on)",
+                                     registry=reg)
         self.prefix_queries = Counter(_counter_name(names.PREFIX_CACHE_QUERIES),
                                       "Prompt tokens looked up in the prefix cache", registry=reg)
         self.prefix_hits = Counter(_counter_name(names.PREFIX_CACHE_HITS),
@@ -113,6 +116,7 @@ class ServerMetrics:
         self._advance(self.generation_tokens, "generation", stats.generation_tokens_total)
         self._advance(self.preemptions, "preemptions", stats.preemptions_total)
         self._advance(self.prefix_queries, "prefix_queries", stats.prefix_cache_queries_total)
+        self._advance(self.step_failures, "step_failures", stats.step_failures_total)
         self._advance(self.prefix_hits, "prefix_hits", stats.prefix_cache_hits_total)
         if self.speculative:
             self._advance(self.spec_drafts, "drafts", stats.spec.num_drafts)

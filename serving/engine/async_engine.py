@@ -1,9 +1,14 @@
 """The asyncio face of the engine: a step loop in its own thread, per-request output streams.
 
 The event loop never runs a forward. Requests and aborts travel to the loop thread through a command
-queue; outputs travel back with `call_soon_threadsafe` into one `asyncio.Queue` per request. An exception
-in the step loop is recorded (`healthy` turns False, `error` holds it), logged, and raised in every
-open stream; the engine then refuses new work.
+queue; outputs travel back with `call_soon_threadsafe` into one `asyncio.Queue` per request.
+
+A step that raises fails the requests it ran (`StepFailedError` in their streams, their blocks freed)
+and the loop goes on: one bad batch — an out-of-memory on a rare shape, a fault in one request's
+processing — must not take the server down. A failure the engine cannot recover from (inconsistent
+block accounting, a CUDA error that poisons the context, `_MAX_CONSECUTIVE_STEP_FAILURES` failed steps
+in a row) is recorded (`healthy` turns False, `error` holds it), logged, and raised in every open
+stream; the engine then refuses new work and /health turns 503 so the orchestrator replaces it.
 """
 
 from __future__ import annotations
@@ -18,11 +23,21 @@ from typing import Any
 
 from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine
-from serving.engine.types import EngineDeadError, EngineStats, GenerationRequest, RequestOutput, RequestRejected
+from serving.engine.types import (
+    EngineDeadError,
+    EngineStats,
+    GenerationRequest,
+    RequestOutput,
+    RequestRejected,
+    StepFailedError,
+)
 
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05
+_MAX_CONSECUTIVE_STEP_FAILURES = 3
+# Errors after which the device cannot be trusted: the CUDA context is lost, nothing more will succeed.
+_FATAL_MARKERS = ("CUDA error", "device-side assert", "NCCL error", "illegal memory access")
 
 
 @dataclass
@@ -41,6 +56,7 @@ class AsyncEngine:
         self._stopping = False
         self._error: BaseException | None = None
         self._pending_adds = 0
+        self._failed_steps_in_a_row = 0
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -113,7 +129,7 @@ class AsyncEngine:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     finished = True
-                    if isinstance(item, (EngineDeadError, RequestRejected)):
+                    if isinstance(item, (EngineDeadError, RequestRejected, StepFailedError)):
                         raise item
                     raise EngineDeadError(f"engine loop failed: {item!r}") from item
                 finished = item.finished
@@ -146,7 +162,7 @@ class AsyncEngine:
                     self._wakeup.wait(_IDLE_WAIT_S)
                     self._wakeup.clear()
                     continue
-                for output in self.engine.step():
+                for output in self._step():
                     self._deliver(output)
             self._abort_all()
         except BaseException as exc:  # recorded and surfaced, never swallowed
@@ -155,6 +171,24 @@ class AsyncEngine:
             for request_id in list(self._streams):
                 self._deliver_error(request_id, exc)
             self._fail_pending_commands()
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step; a recoverable failure fails the step's requests and returns no outputs."""
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            self._failed_steps_in_a_row += 1
+            if (self._failed_steps_in_a_row >= _MAX_CONSECUTIVE_STEP_FAILURES
+                    or any(marker in str(exc) for marker in _FATAL_MARKERS)):
+                raise
+            log.exception("engine step failed (%d in a row); failing the requests it ran, the engine goes on",
+                          self._failed_steps_in_a_row)
+            failure = StepFailedError(f"engine step failed: {exc!r}")
+            for request_id in self.engine.recover_from_failed_step():  # raises if the state is beyond repair
+                self._deliver_error(request_id, failure)
+            return []
+        self._failed_steps_in_a_row = 0
+        return outputs
 
     def _apply_commands(self) -> None:
         while self._commands:

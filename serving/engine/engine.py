@@ -65,6 +65,8 @@ class LLMEngine:
         self._seed_source = random.Random(config.seed)
         self.steps_total = 0
         self.step_time_total_s = 0.0
+        self.step_failures_total = 0
+        self._in_step: list[str] = []  # ids of the requests the current step scheduled
         self.last_step_s = 0.0
         self.recent_step_durations_s: collections.deque[float] = collections.deque(maxlen=512)
         self.speculator = speculator
@@ -167,9 +169,11 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
+        self._in_step = [r.request_id for r in self.scheduler.running]
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        self._in_step = [r.request_id for r in sched.scheduled]
         sampled, logprobs = self.execute(sched)
         updated = self.scheduler.update_from_output(sched, sampled, logprobs)
         outputs = [o for o in (req.make_output() for req in updated) if o is not None]
@@ -245,6 +249,25 @@ class LLMEngine:
         computed = iter(compute_logprobs(logits[torch.tensor(rows, device=logits.device)], tokens, top_n))
         return {reqs[i].request_id: [next(computed) for _ in emitted[i]] for i in wants}
 
+    def recover_from_failed_step(self) -> list[str]:
+        """After `step` raised: end every request the step touched or that holds KV blocks, free their
+        blocks and draft state, and return their ids (the caller fails their streams).
+
+        Queued requests stay queued. Cached prefix blocks stay valid: a block is content-addressed only
+        in `update_from_output`, after its forward completed. Raises if the block accounting does not
+        come back to zero held blocks, where the engine cannot be trusted any more."""
+        failed = list(dict.fromkeys([*self._in_step, *(r.request_id for r in self.scheduler.running)]))
+        for request_id in failed:
+            self.abort_request(request_id)
+            self.blocks.free(request_id)  # also a request the step finished before it raised
+        self._in_step = []
+        self.step_failures_total += 1
+        holders = [r.request_id for r in self.scheduler.running]
+        if holders or self.blocks.num_used:
+            raise RuntimeError(f"engine state inconsistent after a failed step: {self.blocks.num_used} KV blocks "
+                               f"still held, running {holders[:5]}")
+        return failed
+
     def _record_step(self, seconds: float) -> None:
         self.steps_total += 1
         self.step_time_total_s += seconds
@@ -267,6 +290,7 @@ class LLMEngine:
             requests_finished_total=c.requests_finished_total,
             prefix_cache_queries_total=c.prefix_cache_queries_total,
             prefix_cache_hits_total=c.prefix_cache_hits_total,
+            step_failures_total=self.step_failures_total,
             steps_total=self.steps_total,
             step_time_total_s=self.step_time_total_s,
             last_step_s=self.last_step_s,

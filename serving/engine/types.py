@@ -109,6 +109,13 @@ class EngineDeadError(RuntimeError):
     """The step loop failed; the engine serves nothing more. The cause is chained."""
 
 
+class StepFailedError(RuntimeError):
+    """An engine step raised while this request was in it: the request ends, the engine goes on.
+
+    Every request that held KV blocks at that moment fails this way (the step's effect on each is
+    unknown); requests still queued are untouched. Repeated failures make the engine dead instead."""
+
+
 @dataclass
 class SpecStats:
     """Speculative decoding counters (all zero while speculation is off)."""
@@ -150,3 +157,4 @@ class EngineStats:
     spec: SpecStats = field(default_factory=SpecStats)
     prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache at admission
     prefix_cache_hits_total: int = 0  # of which found cached (their prefill skipped)
+    step_failures_total: int = 0  # steps that raised and were recovered (their requests failed)

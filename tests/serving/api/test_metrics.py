@@ -11,7 +11,8 @@ from serving import metric_names
 
 COUNTERS = {metric_names.REQUESTS, metric_names.PROMPT_TOKENS, metric_names.GENERATION_TOKENS,
             metric_names.PREEMPTIONS, metric_names.SPEC_DRAFTS, metric_names.SPEC_DRAFT_TOKENS,
-            metric_names.SPEC_ACCEPTED_TOKENS, metric_names.PREFIX_CACHE_QUERIES, metric_names.PREFIX_CACHE_HITS}
+            metric_names.SPEC_ACCEPTED_TOKENS, metric_names.PREFIX_CACHE_QUERIES, metric_names.PREFIX_CACHE_HITS,
+            metric_names.STEP_FAILURES}
 HISTOGRAMS = {metric_names.TTFT, metric_names.TPOT, metric_names.INTER_TOKEN, metric_names.E2E,
               metric_names.QUEUE_TIME, metric_names.STEP_TIME}
 CUDA_ONLY = {metric_names.GPU_MEMORY_USED, metric_names.GPU_MEMORY_TOTAL, metric_names.GPU_UTILIZATION}

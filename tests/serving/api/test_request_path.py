@@ -104,3 +104,54 @@ def test_the_routers_only_build_the_prompt() -> None:
         assert "start_run(" in source and "respond(" in source
         for check in ("resolve_max_tokens", "check_admission", ".validate(", "prompt is empty"):
             assert check not in source, f"{router.__name__} checks {check} itself"
+
+
+def _fail_next_steps(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
+    """The engine's next `count` forward steps raise (as an out-of-memory on a rare shape would)."""
+    original = LLMEngine.execute
+    left = [count]
+
+    def execute(self: LLMEngine, sched: Any) -> Any:
+        if left[0] > 0:
+            left[0] -= 1
+            raise RuntimeError("injected step fault")
+        return original(self, sched)
+
+    monkeypatch.setattr(LLMEngine, "execute", execute)
+
+
+def test_a_failed_engine_step_is_a_503_for_its_requests_and_the_server_stays_ready(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fail_next_steps(monkeypatch, 1)
+    response = client.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 5})
+    assert response.status_code == 503, response.text
+    error = response.json()["error"]
+    assert error["code"] == "engine_step_failed" and "injected step fault" in error["message"]
+    assert response.headers["retry-after"] == "1"
+    assert client.get("/ready").status_code == 200 and client.get("/health").status_code == 200
+    again = client.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 5})
+    assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 5
+    metrics = client.get("/metrics").text
+    assert "specdeploy_engine_step_failures_total 1.0" in metrics
+
+
+def test_a_failed_step_mid_stream_ends_the_stream_with_an_error_event(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = LLMEngine.execute
+    calls = [0]
+
+    def execute(self: LLMEngine, sched: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 3:  # after the first tokens went out
+            raise RuntimeError("injected step fault")
+        return original(self, sched)
+
+    monkeypatch.setattr(LLMEngine, "execute", execute)
+    response = client.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 20,
+                                                     "ignore_eos": True, "stream": True})
+    assert response.status_code == 200
+    events = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    assert len(events) >= 3 and '"engine_step_failed"' in events[-1], events[-3:]  # tokens, then the error
+    assert client.get("/ready").status_code == 200
