@@ -118,6 +118,8 @@ class LLMEngine:
             raise RequestRejected("invalid", "prompt is empty")
         if any(not 0 <= t < self.args.vocab_size for t in request.prompt_token_ids):
             raise RequestRejected("invalid", f"prompt has token ids outside [0, {self.args.vocab_size})")
+        if any(not 0 <= t < self.args.vocab_size for t in request.params.logit_bias):
+            raise RequestRejected("invalid", f"logit_bias has token ids outside [0, {self.args.vocab_size})")
         if request.params.stop and self.tokenizer is None:
             raise RequestRejected("invalid", "stop strings need a tokenizer; this model has none")
         total = n_prompt + request.params.max_tokens
@@ -188,27 +190,36 @@ class LLMEngine:
         """Run the step's forward; sample (or verify drafts) for every request that reaches its end."""
         seqs, sampling, drafts = [], [], []
         starts = [0]  # sampling request i owns logits rows [starts[i], starts[i + 1]): last real token, drafts
+        prompt_rows: list[tuple[Request, int, int]] = []  # (request, first position, count) of prompt logprobs
         for req in sched.scheduled:
             n = sched.num_scheduled_tokens[req.request_id]
             start = req.num_computed_tokens
             spec = sched.spec_token_ids.get(req.request_id, [])
             samples = sched.samples(req)
+            # prompt logprobs: the logits at prompt position p score prompt token p + 1
+            scored = max(min(start + n, req.num_prompt_tokens - 1) - start, 0) if req.wants_prompt_logprobs else 0
             seqs.append(SequenceInput(
                 token_ids=(req.all_token_ids[start:] + spec)[:n] if spec else req.all_token_ids[start : start + n],
                 start_pos=start,
                 block_table=self.blocks.block_table(req.request_id),
                 # a verifying sequence needs logits at its last real token and at every draft
-                logits_offsets=list(range(n - 1 - len(spec), n)) if samples else [],
+                logits_offsets=list(range(scored)) + (list(range(n - 1 - len(spec), n)) if samples else []),
             ))
+            if scored:
+                prompt_rows.append((req, start, scored))
             if samples:
                 sampling.append(req)
                 drafts.append(spec)
                 starts.append(starts[-1] + len(spec) + 1)
         batch = build_forward_batch(seqs, self.block_size, self.args.n_rep, self.device, self.dtype)
         hidden = self.model(batch, self.cache)
-        if not sampling:
+        if not sampling and not prompt_rows:
             return {}, {}
         logits = self.model.compute_logits(hidden, batch.logits_index)  # [rows, vocab] fp32, request order
+        if prompt_rows:
+            logits = self.record_prompt_logprobs(sched, prompt_rows, logits)
+        if not sampling:
+            return {}, {}
         emitted = self.sample_or_verify(sampling, drafts, logits, starts)
         sampled = {r.request_id: tokens for r, tokens in zip(sampling, emitted, strict=True)}
         return sampled, self.logprobs_of(sampling, emitted, logits, starts)
@@ -220,7 +231,8 @@ class LLMEngine:
 
         starts: request i's rows are logits[starts[i] : starts[i + 1]] (one, or 1 + its drafts)."""
         if not any(drafts):
-            tokens = sample_requests(logits, [r.params for r in reqs], [r.generator for r in reqs])
+            tokens = sample_requests(logits, [r.params for r in reqs], [r.generator for r in reqs],
+                                     [r.output_token_ids for r in reqs])
             return [[t] for t in tokens.tolist()]
         assert self.speculator is not None
         plain = [i for i, d in enumerate(drafts) if not d]
@@ -228,7 +240,8 @@ class LLMEngine:
         emitted: list[list[int]] = [[] for _ in reqs]
         if plain:
             idx = torch.tensor([starts[i] for i in plain], device=logits.device)
-            sampled = sample_requests(logits[idx], [reqs[i].params for i in plain], [reqs[i].generator for i in plain])
+            sampled = sample_requests(logits[idx], [reqs[i].params for i in plain], [reqs[i].generator for i in plain],
+                                      [reqs[i].output_token_ids for i in plain])
             for i, t in zip(plain, sampled.tolist(), strict=True):
                 emitted[i] = [t]
         rows = [range(starts[i], starts[i + 1]) for i in verifying]
@@ -236,6 +249,35 @@ class LLMEngine:
         for i, accepted in zip(verifying, verified, strict=True):
             emitted[i] = accepted
         return emitted
+
+    def record_prompt_logprobs(
+        self, sched: SchedulerOutput, prompt_rows: list[tuple[Request, int, int]], logits: torch.Tensor
+    ) -> torch.Tensor:
+        """Hand each request the logprobs of the prompt tokens this step scored; returns the sampling rows.
+
+        The logits rows are in request order; a request's prompt rows come before its sampling rows."""
+        scored = {id(req): count for req, _, count in prompt_rows}
+        keep: list[int] = []  # the sampling rows
+        prompt_index: list[int] = []
+        tokens: list[int] = []
+        top_n: list[int] = []
+        row = 0
+        for req in sched.scheduled:
+            count = scored.get(id(req), 0)
+            prompt_index.extend(range(row, row + count))
+            row += count
+            if sched.samples(req):
+                width = len(sched.spec_token_ids.get(req.request_id, [])) + 1
+                keep.extend(range(row, row + width))
+                row += width
+        for req, start, count in prompt_rows:
+            tokens.extend(req.prompt_token_ids[start + 1 : start + 1 + count])
+            top_n.extend([req.params.prompt_logprobs or 0] * count)
+        index = torch.tensor(prompt_index, device=logits.device)
+        computed = iter(compute_logprobs(logits[index], torch.tensor(tokens, device=logits.device), top_n))
+        for req, start, count in prompt_rows:
+            req.add_prompt_logprobs(start + 1, [next(computed) for _ in range(count)])
+        return logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
 
     def logprobs_of(
         self, reqs: list[Request], emitted: list[list[int]], logits: torch.Tensor, starts: list[int]

@@ -48,6 +48,20 @@ class Request:
         self.num_preemptions = 0
         self._emitted_tokens = 0
         self._pending_logprobs: list[TokenLogprobs] = []
+        # prompt token i's logprob at index i (the first has no context: None); filled chunk by chunk
+        self.prompt_logprobs: list[TokenLogprobs | None] = [None]
+        self._prompt_logprobs_sent = False
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and some are still to be scored (a recomputed prefill skips them)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    def add_prompt_logprobs(self, first_position: int, entries: list[TokenLogprobs]) -> None:
+        """Logprobs of prompt tokens first_position, first_position + 1, ...; positions already held are kept."""
+        for position, entry in enumerate(entries, start=first_position):
+            if position == len(self.prompt_logprobs):
+                self.prompt_logprobs.append(entry)
 
     @property
     def num_tokens(self) -> int:
@@ -69,6 +83,9 @@ class Request:
         """Append sampled tokens in order, stopping at the first that finishes the request."""
         if self.first_token_time is None and token_ids:
             self.first_token_time = time.monotonic()
+        if self.params.max_tokens == 0:  # scoring only (prompt logprobs): the sampled token is not kept
+            self.finish("length")
+            return
         per_token_text = bool(self.params.stop)  # stop strings need the text after every token
         appended = 0
         for i, token in enumerate(token_ids):
@@ -103,6 +120,9 @@ class Request:
         logprobs = None
         if self.params.logprobs is not None:
             logprobs, self._pending_logprobs = self._pending_logprobs, []
+        prompt_logprobs = None
+        if self.params.prompt_logprobs is not None and not self._prompt_logprobs_sent:
+            prompt_logprobs, self._prompt_logprobs_sent = self.prompt_logprobs, True
         return RequestOutput(
             request_id=self.request_id,
             new_token_ids=new_tokens,
@@ -115,4 +135,5 @@ class Request:
             stop_reason=self.stop_reason,
             arrival_time=self.arrival_time,
             first_token_time=self.first_token_time,
+            prompt_logprobs=prompt_logprobs,
         )

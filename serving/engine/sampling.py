@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from serving.engine.logits import adjust_logits
 from serving.engine.types import SamplingParams, TokenLogprobs
 
 
@@ -92,9 +93,16 @@ def sample(logits: torch.Tensor, rows: SamplingRows, generators: list[torch.Gene
 
 
 def sample_requests(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+    histories: list[list[int]] | None = None,
 ) -> torch.Tensor:
-    """One token per row for rows with the given parameters; all-greedy batches skip building the rows."""
+    """One token per row for rows with the given parameters; all-greedy batches skip building the rows.
+
+    histories[i]: the tokens row i generated so far, for its penalties (see logits.adjust_logits)."""
+    if histories is not None:
+        logits = adjust_logits(logits, params, histories)
     if all(p.greedy for p in params):
         return logits.argmax(dim=-1)
     return sample(logits, SamplingRows.from_params(params, logits.shape[-1], logits.device), generators)

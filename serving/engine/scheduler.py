@@ -100,7 +100,8 @@ class Scheduler:
         # then waiting requests, first come first served, while nobody had to be preempted
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
-            cached = self.blocks.match_prefix(req.request_id, req.all_token_ids)
+            # prompt logprobs need the logits of every prompt position: no prefix from the cache
+            cached = 0 if req.wants_prompt_logprobs else self.blocks.match_prefix(req.request_id, req.all_token_ids)
             req.num_computed_tokens = cached
             n = min(req.num_tokens - cached, budget)
             if not self.blocks.allocate(req.request_id, cached + n):

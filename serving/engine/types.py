@@ -27,6 +27,10 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
     logprobs: int | None = None  # top-n logprobs per generated token; None = none, 0 = sampled token only
     speculative: bool = True  # per-request opt-out of speculative decoding
+    presence_penalty: float = 0.0  # subtracted once from the logit of every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence from the logit of every generated token
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    prompt_logprobs: int | None = None  # top-n logprobs at every prompt position; None = none, 0 = token only
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field."""
@@ -36,8 +40,18 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
+            raise ValueError(f"max_tokens must be >= 1 (0 only with prompt_logprobs), got {self.max_tokens}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be between -2 and 2, got {getattr(self, name)}")
+        for token, bias in self.logit_bias.items():
+            if not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {token!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias[{token}] must be between -100 and 100, got {bias}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -52,6 +66,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Penalties or a logit bias change the logits before sampling (see engine/logits.py)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
 
 @dataclass
@@ -85,6 +104,9 @@ class RequestOutput:
     first_token_time: float | None = None  # time.monotonic() of the first generated token
 
 
+    # with params.prompt_logprobs, on the first chunk: one per prompt token (None for the first, which has no
+    # context to be predicted from)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 RejectionKind = Literal["never_fits", "queue_full", "invalid", "unavailable"]
 
 

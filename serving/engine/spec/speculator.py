@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from serving.engine.config import SpeculativeConfig
+from serving.engine.logits import adjust_logits
 from serving.engine.request import Request
 from serving.engine.sampling import SamplingRows, logits_to_probs
 from serving.engine.scheduler import Scheduler, SchedulerOutput
@@ -93,6 +94,12 @@ class Speculator:
         draft), in order; returns the tokens each request emits."""
         verify_logits = logits[torch.tensor([row for r in rows for row in r], device=logits.device)]
         lengths = [len(r) for r in rows]
+        # the row at draft position j is adjusted as plain sampling would be after the drafts before j
+        verify_logits = adjust_logits(
+            verify_logits,
+            [r.params for r, n in zip(reqs, lengths, strict=True) for _ in range(n)],
+            [r.output_token_ids + d[:j] for r, d, n in zip(reqs, drafts, lengths, strict=True) for j in range(n)],
+        )
         if all(r.params.greedy for r in reqs):
             argmax = verify_logits.argmax(dim=-1).split(lengths)
             return [verify_greedy(a.tolist(), d) for a, d in zip(argmax, drafts, strict=True)]

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -8,6 +9,7 @@ import torch
 
 from serving.engine.config import SpeculativeConfig
 from serving.engine.engine import LLMEngine
+from serving.engine.logits import adjust_logits
 from serving.engine.sampling import SamplingRows, logits_to_probs
 from serving.engine.spec import speculator as speculator_module
 from serving.engine.spec.draft import DraftMismatchError, DraftModelProposer
@@ -142,6 +144,8 @@ def exact_marginals(target: Path, params: SamplingParams) -> tuple[torch.Tensor,
     def next_probs(prefixes: list[list[int]]) -> torch.Tensor:
         with torch.no_grad():
             logits = model(torch.tensor(prefixes)).logits[:, -1].float()
+        # penalties count the tokens generated before each row (the prompt does not count)
+        logits = adjust_logits(logits, [params] * len(prefixes), [prefix[len(PROMPT):] for prefix in prefixes])
         rows = SamplingRows.from_params([params] * len(prefixes), SMALL_VOCAB, torch.device("cpu"))
         return logits_to_probs(logits, rows)
 
@@ -159,8 +163,7 @@ def sample_marginals(kit: Any, target: Path, draft: Path, params: SamplingParams
                          max_num_seqs=256, max_num_batched_tokens=1024, max_queue=n)
     outs = kit.run_to_completion(
         engine, [PROMPT] * n,
-        [SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=i,
-                        max_tokens=3, ignore_eos=True) for i in range(n)],
+        [dataclasses.replace(params, seed=i, max_tokens=3, ignore_eos=True) for i in range(n)],
     )
     assert engine.stats().spec.num_drafts > n // 2  # the 2nd/3rd tokens really went through verification
     counts = torch.zeros(2, SMALL_VOCAB)
@@ -180,6 +183,9 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
 SAMPLED = [
     pytest.param(SamplingParams(temperature=1.0), id="t1"),
     pytest.param(SamplingParams(temperature=0.8, top_k=5, top_p=0.9), id="topk-topp"),
+    # strong penalties make the 3rd token's distribution depend on the 1st and 2nd (drafts, when verified)
+    pytest.param(SamplingParams(temperature=1.0, presence_penalty=1.5, frequency_penalty=1.0,
+                                logit_bias={3: 2.0, 0: -1.0}), id="penalties-logit-bias"),
 ]
 
 
@@ -207,6 +213,21 @@ def test_the_distribution_test_detects_a_broken_acceptance_rule(
     p2, _ = exact_marginals(target, params)
     counts = sample_marginals(kit, target, draft, params, 1500)
     assert chi_square(counts[0], p2) > CHI2_CRITICAL_DF7
+
+
+def test_the_distribution_test_detects_penalties_that_ignore_the_drafts(
+    kit: Any, small_vocab_pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Verify rows must count the tokens generated before them, drafts included; a verify that does not is caught."""
+    def without_drafts(logits: torch.Tensor, params: Any, histories: Any) -> torch.Tensor:
+        return adjust_logits(logits, params, [[] for _ in histories])
+
+    monkeypatch.setattr(speculator_module, "adjust_logits", without_drafts)
+    target, draft = small_vocab_pair
+    params = SamplingParams(temperature=1.0, presence_penalty=2.0, frequency_penalty=2.0)
+    p2, p3 = exact_marginals(target, params)
+    counts = sample_marginals(kit, target, draft, params, 1500)
+    assert chi_square(counts[0], p2) + chi_square(counts[1], p3) > 2 * CHI2_CRITICAL_DF7
 
 
 def demo_pair() -> tuple[Path, Path] | None:
