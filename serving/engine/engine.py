@@ -17,6 +17,7 @@ import torch
 
 from serving.engine.batch import SequenceInput, build_forward_batch
 from serving.engine.config import EngineConfig
+from serving.engine.grammar import RequestGrammar, apply_grammar_masks
 from serving.engine.kv_cache import BlockManager, KVCache, kv_bytes_per_block
 from serving.engine.loader import load_model, read_model_args, resolve_dtype
 from serving.engine.model import Transformer
@@ -155,6 +156,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             tokenizer=self.tokenizer,
             default_seed=self._seed_source.getrandbits(63),
+            grammar=request.grammar,
         ))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -230,6 +232,11 @@ class LLMEngine:
         """One token per plain request; accepted drafts plus one token per verifying request.
 
         starts: request i's rows are logits[starts[i] : starts[i + 1]] (one, or 1 + its drafts)."""
+        if any(r.grammar is not None for r in reqs):  # a masked copy: logprobs stay those of the raw logits
+            row_grammars: list[RequestGrammar | None] = [None] * logits.shape[0]
+            for r, d, start in zip(reqs, drafts, starts, strict=False):
+                row_grammars[start] = None if d else r.grammar  # verify rows are masked by the speculator
+            logits = apply_grammar_masks(logits, row_grammars)
         if not any(drafts):
             tokens = sample_requests(logits, [r.params for r in reqs], [r.generator for r in reqs],
                                      [r.output_token_ids for r in reqs])

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import enum
+import logging
 import time
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from serving.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from serving.engine.types import FinishReason, RequestOutput, SamplingParams, TokenLogprobs
+
+if TYPE_CHECKING:
+    from serving.engine.grammar import RequestGrammar
+
+log = logging.getLogger(__name__)
 
 
 class RequestStatus(enum.Enum):
@@ -28,6 +35,7 @@ class Request:
         max_model_len: int,
         tokenizer: Tokenizer | None,
         default_seed: int,
+        grammar: Any | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -48,6 +56,12 @@ class Request:
         self.num_preemptions = 0
         self._emitted_tokens = 0
         self._pending_logprobs: list[TokenLogprobs] = []
+        # a compiled grammar (serving/engine/grammar.py) constrains the output; its matcher follows the output
+        self.grammar: RequestGrammar | None = None
+        if grammar is not None:
+            from serving.engine.grammar import RequestGrammar
+
+            self.grammar = RequestGrammar(grammar)
         # prompt token i's logprob at index i (the first has no context: None); filled chunk by chunk
         self.prompt_logprobs: list[TokenLogprobs | None] = [None]
         self._prompt_logprobs_sent = False
@@ -95,7 +109,11 @@ class Request:
             if logprobs is not None:
                 self._pending_logprobs.append(logprobs[i])
             stop_string = self.detokenizer.append([token]) if per_token_text else None
-            if token in self.stop_token_ids:
+            if self.grammar is not None and not self.grammar.accept(token):
+                # the masks make this unreachable; end the request rather than return ungrammatical output
+                log.error("request %s: token %d is outside its grammar; aborting it", self.request_id, token)
+                self.finish("abort")
+            elif token in self.stop_token_ids or (self.grammar is not None and self.grammar.is_terminated):
                 self.finish("stop", token)
             elif stop_string is not None:
                 self.finish("stop", stop_string)

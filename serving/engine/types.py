@@ -78,6 +78,8 @@ class GenerationRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    # an xgrammar CompiledGrammar (serving/engine/grammar.py, compiled off the engine loop) the output must follow
+    grammar: object | None = None
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from serving.engine.config import SpeculativeConfig
+from serving.engine.grammar import mask_verify_rows
 from serving.engine.logits import adjust_logits
 from serving.engine.request import Request
 from serving.engine.sampling import SamplingRows, logits_to_probs
@@ -82,6 +83,9 @@ class Speculator:
         for num_tokens, seconds in proposed.forward_seconds:
             self.policy.observe_draft_forward(num_tokens, seconds)
         for rid, tokens in proposed.tokens.items():
+            grammar = by_id[rid].grammar
+            if grammar is not None and tokens:  # cut where the grammar rejects (lossless either way: grammar.py)
+                tokens = grammar.admissible_drafts(tokens, sampled=rid in proposed.probs)
             by_id[rid].spec_token_ids = tokens
         self._draft_probs.update(proposed.probs)
 
@@ -94,6 +98,8 @@ class Speculator:
         draft), in order; returns the tokens each request emits."""
         verify_logits = logits[torch.tensor([row for r in rows for row in r], device=logits.device)]
         lengths = [len(r) for r in rows]
+        if any(r.grammar is not None for r in reqs):  # row j masked after the drafts before j
+            mask_verify_rows(verify_logits, [r.grammar for r in reqs], drafts)
         # the row at draft position j is adjusted as plain sampling would be after the drafts before j
         verify_logits = adjust_logits(
             verify_logits,
