@@ -115,8 +115,8 @@ class ModelSection(StrictModel):
     )
     tensor_parallel_size: TensorParallelSize = Field(
         1, description="GPUs the model is sharded across (1, 2, 4 or 8; KV heads must divide evenly). The capacity "
-        "plan and the platforms size and provision for it; the engine does not run tensor parallelism yet and "
-        "refuses more than 1 at start-up.",
+        "plan and the platforms size and provision for it; the server starts one process per GPU (gloo ranks on "
+        "CPU) and shards heads, KV cache and MLP across them.",
     )
 
 

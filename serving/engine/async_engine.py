@@ -77,6 +77,7 @@ class AsyncEngine:
         self._wakeup.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(self.engine.close)  # tensor-parallel workers, if any
         for request_id in list(self._streams):
             self._deliver_error(request_id, EngineDeadError("engine stopped"))
 
@@ -178,7 +179,7 @@ class AsyncEngine:
             outputs = self.engine.step()
         except Exception as exc:
             self._failed_steps_in_a_row += 1
-            if (self._failed_steps_in_a_row >= _MAX_CONSECUTIVE_STEP_FAILURES
+            if (self._failed_steps_in_a_row >= _MAX_CONSECUTIVE_STEP_FAILURES or isinstance(exc, EngineDeadError)
                     or any(marker in str(exc) for marker in _FATAL_MARKERS)):
                 raise
             log.exception("engine step failed (%d in a row); failing the requests it ran, the engine goes on",

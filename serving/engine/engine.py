@@ -21,6 +21,7 @@ from serving.engine.grammar import RequestGrammar, apply_grammar_masks
 from serving.engine.kv_cache import BlockManager, KVCache, kv_bytes_per_block
 from serving.engine.loader import load_model, read_model_args, resolve_dtype
 from serving.engine.model import Transformer
+from serving.engine.parallel.group import TensorParallelGroup, start_workers
 from serving.engine.request import Request
 from serving.engine.sampling import compute_logprobs, sample_requests
 from serving.engine.scheduler import Scheduler, SchedulerOutput
@@ -71,6 +72,7 @@ class LLMEngine:
         self.last_step_s = 0.0
         self.recent_step_durations_s: collections.deque[float] = collections.deque(maxlen=512)
         self.speculator = speculator
+        self.tp_group: TensorParallelGroup | None = None  # ranks 1..tp-1 (from_config starts them)
 
     # ---- construction -------------------------------------------------------------------------------
 
@@ -93,15 +95,33 @@ class LLMEngine:
         max_model_len = config.max_model_len or args.max_position_embeddings
         if args.sliding_window:
             max_model_len = min(max_model_len, args.sliding_window)
-        model = load_model(config.model, dtype, device, max_model_len, config.quantization)
-        per_block = kv_bytes_per_block(args.n_layers, args.n_kv_heads, args.head_dim, config.kv_block_size, dtype)
-        num_blocks = max(kv_budget_bytes(config, device) // per_block, 1)
-        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, config.kv_block_size,
-                 num_blocks * per_block / 2**20)
-        speculator = None
-        if config.speculative.enabled:
-            speculator = build_speculator(config, model, dtype, device, num_blocks)
-        return cls(model, config, num_blocks, load_tokenizer(config.tokenizer or config.model), speculator)
+        tp_group = start_workers(config, args, dtype, device, max_model_len)  # None unless tensor parallel
+        try:
+            model = load_model(config.model, dtype, device, max_model_len, config.quantization,
+                               shard=(0, config.tensor_parallel_size))
+            # per device: a tensor-parallel rank holds its share of the KV heads
+            per_block = kv_bytes_per_block(args.n_layers, model.args.n_kv_heads, args.head_dim,
+                                           config.kv_block_size, dtype)
+            num_blocks = max(kv_budget_bytes(config, device) // per_block, 1)
+            log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, config.kv_block_size,
+                     num_blocks * per_block / 2**20)
+            if tp_group is not None:
+                tp_group.ready(model, num_blocks)
+            speculator = None
+            if config.speculative.enabled:  # the draft runs on rank 0 only, unsharded
+                speculator = build_speculator(config, model, dtype, device, num_blocks)
+            engine = cls(model, config, num_blocks, load_tokenizer(config.tokenizer or config.model), speculator)
+        except BaseException:
+            if tp_group is not None:
+                tp_group.shutdown()
+            raise
+        engine.tp_group = tp_group
+        return engine
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (the engine runs no step after this)."""
+        if self.tp_group is not None:
+            self.tp_group.shutdown()
 
     # ---- requests -----------------------------------------------------------------------------------
 
@@ -214,6 +234,8 @@ class LLMEngine:
                 drafts.append(spec)
                 starts.append(starts[-1] + len(spec) + 1)
         batch = build_forward_batch(seqs, self.block_size, self.args.n_rep, self.device, self.dtype)
+        if self.tp_group is not None:
+            self.tp_group.send_step(seqs)  # the other ranks run this forward with rank 0
         hidden = self.model(batch, self.cache)
         if not sampling and not prompt_rows:
             return {}, {}

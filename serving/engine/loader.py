@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from serving.engine.model import ModelArgs, Transformer
+from serving.engine.parallel.shard import read_shard, shard_args
 from serving.engine.quant import Quantization, check_supported, quantize_state_dict, replace_modules
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,13 @@ def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def read_rank_state_dict(model_dir: Path, args: ModelArgs, rank: int, tp: int) -> dict[str, torch.Tensor]:
+    """The whole checkpoint (tp 1) or one tensor-parallel rank's slices of it (args: the full model's)."""
+    if tp == 1:
+        return read_state_dict(model_dir)
+    return read_shard(safetensors_files(model_dir), args, rank, tp)
+
+
 def convert_hf_state_dict(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """Rename HF parameters to ours, fusing q/k/v and gate/up into one matmul each."""
     prefix = "model." if "model.embed_tokens.weight" in hf else ""
@@ -103,16 +111,22 @@ def convert_hf_state_dict(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[
 def load_model(
     model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_model_len: int,
     quantization: Quantization = "none",
+    shard: tuple[int, int] = (0, 1),
 ) -> Transformer:
-    """Build the model on `device`; with `quantization` int8/fp8 its matmul weights are quantized while loading."""
+    """Build the model on `device`; with `quantization` int8/fp8 its matmul weights are quantized while loading.
+
+    shard: (rank, tensor_parallel_size): the rank's slice of the heads and MLP (serving.engine.parallel.shard);
+    its all-reduces are attached by the caller (serving.engine.parallel)."""
     model_dir = Path(model_dir)
-    args = read_model_args(model_dir)
+    full_args = read_model_args(model_dir)
+    rank, tp = shard
+    args = shard_args(full_args, tp)
     check_supported(quantization, device)
     with torch.device("meta"):
         model = Transformer(args, max_model_len)
     quantized = replace_modules(model, quantization, dtype)
     model.quantization = quantization
-    state = convert_hf_state_dict(read_state_dict(model_dir), args)
+    state = convert_hf_state_dict(read_rank_state_dict(model_dir, full_args, rank, tp), args)
     shares_table = args.tie_word_embeddings and quantization in ("none", "int8")
     if args.tie_word_embeddings and not shares_table:  # fp8 lm_head needs its own copy of the float table
         state["output.weight"] = state["tok_embeddings.weight"]
@@ -128,6 +142,7 @@ def load_model(
         model.output.scales = model.tok_embeddings.scales
     model.build_rope(device)  # the rope tables were built on meta; build them for real
     model.eval().requires_grad_(False)
-    log.info("loaded %s (%s, %d layers, dim %d) in %s on %s, quantization %s", model_dir, args.model_type,
-             args.n_layers, args.dim, dtype, device, quantization)
+    log.info("loaded %s (%s, %d layers, dim %d) in %s on %s, quantization %s%s", model_dir, args.model_type,
+             args.n_layers, args.dim, dtype, device, quantization,
+             f", tensor-parallel rank {rank} of {tp}" if tp > 1 else "")
     return model

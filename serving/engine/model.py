@@ -8,6 +8,7 @@ sequences — in a single pass. Logits are computed only for the rows the step s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,6 +170,9 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
+    # tensor parallelism (serving.engine.parallel) sets an in-place all-reduce here; None on one device
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
@@ -179,8 +183,12 @@ class TransformerBlock(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, cache: KVCache, layer: int
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, batch, cache, layer)
-        return h + self.feed_forward(self.ffn_norm(h))
+        attended = self.attention(self.attention_norm(x), cos, sin, batch, cache, layer)
+        if self.reduce is not None:  # tensor parallel: sum the ranks' partial row-parallel outputs
+            attended = self.reduce(attended)
+        h = x + attended
+        mlp = self.feed_forward(self.ffn_norm(h))
+        return h + (mlp if self.reduce is None else self.reduce(mlp))
 
 
 class Transformer(nn.Module):

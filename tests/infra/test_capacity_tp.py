@@ -69,9 +69,8 @@ def test_kubernetes_gpus_per_pod_must_cover_tp() -> None:
     assert StackConfig.model_validate(data).model.tensor_parallel_size == 2
 
 
-def test_the_server_refuses_tp_above_1_at_start_up() -> None:
+def test_the_server_runs_the_stacks_tp() -> None:
     config = _example("llama70b-example")
     server = render_server_config(config)
     assert server.model.tensor_parallel_size == 8  # rendered into the server's config...
-    with pytest.raises(ValueError, match="model.tensor_parallel_size 8: the engine does not run tensor parallelism"):
-        EngineConfig.from_server_config(server)  # ...and refused where the engine is built
+    assert EngineConfig.from_server_config(server).tensor_parallel_size == 8  # ...and where the engine is built

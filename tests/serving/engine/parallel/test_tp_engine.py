@@ -1,0 +1,70 @@
+"""Tensor parallelism across real processes (gloo on CPU): the same logits as one process, no orphans."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from serving.engine.engine import LLMEngine
+from serving.engine.types import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+def running(pids: list[int]) -> list[int]:
+    """The pids of the list that ps still shows (a zombie counts as gone: it has exited)."""
+    out = subprocess.run(["ps", "-o", "pid=,stat=", "-p", ",".join(map(str, pids))], capture_output=True,
+                         text=True, check=False).stdout
+    return [int(line.split()[0]) for line in out.splitlines() if line.split() and "Z" not in line.split()[1]]
+
+
+def record_logits(engine: LLMEngine) -> list[torch.Tensor]:
+    """Every logits tensor the engine computes, in order."""
+    seen: list[torch.Tensor] = []
+    compute = engine.model.compute_logits
+
+    def recording(hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        seen.append(compute(hidden, rows))
+        return seen[-1]
+
+    engine.model.compute_logits = recording  # type: ignore[method-assign]
+    return seen
+
+
+@pytest.fixture(scope="module")
+def models(kit, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    gqa = {"num_attention_heads": 8, "num_key_value_heads": 4}
+    return {
+        "llama": kit.save_tiny_model(tmp_path_factory.mktemp("tp-llama"), "llama"),  # 4 heads, 2 KV heads
+        "qwen2": kit.save_tiny_model(tmp_path_factory.mktemp("tp-qwen2"), "qwen2"),
+        "llama-gqa": kit.save_tiny_model(tmp_path_factory.mktemp("tp-llama-gqa"), "llama", **gqa),
+        "qwen2-gqa": kit.save_tiny_model(tmp_path_factory.mktemp("tp-qwen2-gqa"), "qwen2", **gqa),
+    }
+
+
+@pytest.mark.parametrize(("model", "tp"), [("llama", 2), ("qwen2", 2), ("llama-gqa", 4), ("qwen2-gqa", 4)])
+def test_logits_match_one_process(kit, models: dict[str, Path], model: str, tp: int) -> None:
+    # prompts long enough for chunked prefill (128-token steps), then mixed decode steps
+    prompts = kit.random_prompts([5, 17, 40, 150])
+    params = [SamplingParams(temperature=0.0, max_tokens=6)] * len(prompts)
+    single = kit.make_engine(models[model])
+    expected_logits = record_logits(single)
+    expected = kit.run_to_completion(single, prompts, params)
+
+    engine = kit.make_engine(models[model], tensor_parallel_size=tp)
+    pids = engine.tp_group.worker_pids
+    try:
+        assert len(pids) == tp - 1 and running(pids) == pids
+        assert engine.cache.n_kv_heads == single.cache.n_kv_heads // tp  # the KV cache is sharded by KV head
+        got_logits = record_logits(engine)
+        got = kit.run_to_completion(engine, prompts, params)
+    finally:
+        engine.close()
+    assert got == expected
+    assert len(got_logits) == len(expected_logits)
+    for g, e in zip(got_logits, expected_logits, strict=True):
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-5)
+    assert running(pids) == [], "workers outlived engine.close()"
