@@ -94,6 +94,8 @@ class ServiceSection(StrictModel):
 Quantization = Literal["none", "int8", "fp8"]
 # GPUs one server shards its model across (attention/KV heads and MLP split); the planner sizes per GPU by it.
 TensorParallelSize = Literal[1, 2, 4, 8]
+# auto: compiled and CUDA-graph-captured small steps on CUDA, eager on CPU (where compiling barely pays, measured)
+CompileMode = Literal["auto", "on", "off"]
 
 
 class ModelSection(StrictModel):
@@ -117,6 +119,11 @@ class ModelSection(StrictModel):
         1, description="GPUs the model is sharded across (1, 2, 4 or 8; KV heads must divide evenly). The capacity "
         "plan and the platforms size and provision for it; the server starts one process per GPU (gloo ranks on "
         "CPU) and shards heads, KV cache and MLP across them.",
+    )
+    compile: CompileMode = Field(
+        "auto", description="Small steps (decode, verify) padded to token-count buckets and compiled with "
+        "torch.compile at start-up, before ready; CUDA graphs per bucket on CUDA. auto: on for CUDA, off for CPU; "
+        "on: also on CPU (each bucket measured at warm-up, kept only where it beats eager); off: eager everywhere.",
     )
 
 

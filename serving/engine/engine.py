@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
-from serving.engine.batch import SequenceInput, build_forward_batch
+from serving.engine.batch import ForwardBatch, ForwardBatchBuilder, SequenceInput
+from serving.engine.compile import CompiledForward, buckets_up_to
 from serving.engine.config import EngineConfig
 from serving.engine.grammar import RequestGrammar, apply_grammar_masks
 from serving.engine.kv_cache import BlockManager, KVCache, kv_bytes_per_block
 from serving.engine.loader import load_model, read_model_args, resolve_dtype
 from serving.engine.model import Transformer
-from serving.engine.parallel.group import TensorParallelGroup, start_workers
 from serving.engine.request import Request
 from serving.engine.sampling import compute_logprobs, sample_requests
 from serving.engine.scheduler import Scheduler, SchedulerOutput
@@ -72,7 +72,9 @@ class LLMEngine:
         self.last_step_s = 0.0
         self.recent_step_durations_s: collections.deque[float] = collections.deque(maxlen=512)
         self.speculator = speculator
-        self.tp_group: TensorParallelGroup | None = None  # ranks 1..tp-1 (from_config starts them)
+        # kept for the engine's life: its index ramps are made once, not per step
+        self.builder = ForwardBatchBuilder(self.block_size, self.args.n_rep, self.device, self.dtype)
+        self.compiled: CompiledForward | None = None  # set by compile_steps(); None: every step runs eagerly
 
     # ---- construction -------------------------------------------------------------------------------
 
@@ -95,33 +97,28 @@ class LLMEngine:
         max_model_len = config.max_model_len or args.max_position_embeddings
         if args.sliding_window:
             max_model_len = min(max_model_len, args.sliding_window)
-        tp_group = start_workers(config, args, dtype, device, max_model_len)  # None unless tensor parallel
-        try:
-            model = load_model(config.model, dtype, device, max_model_len, config.quantization,
-                               shard=(0, config.tensor_parallel_size))
-            # per device: a tensor-parallel rank holds its share of the KV heads
-            per_block = kv_bytes_per_block(args.n_layers, model.args.n_kv_heads, args.head_dim,
-                                           config.kv_block_size, dtype)
-            num_blocks = max(kv_budget_bytes(config, device) // per_block, 1)
-            log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, config.kv_block_size,
-                     num_blocks * per_block / 2**20)
-            if tp_group is not None:
-                tp_group.ready(model, num_blocks)
-            speculator = None
-            if config.speculative.enabled:  # the draft runs on rank 0 only, unsharded
-                speculator = build_speculator(config, model, dtype, device, num_blocks)
-            engine = cls(model, config, num_blocks, load_tokenizer(config.tokenizer or config.model), speculator)
-        except BaseException:
-            if tp_group is not None:
-                tp_group.shutdown()
-            raise
-        engine.tp_group = tp_group
+        model = load_model(config.model, dtype, device, max_model_len, config.quantization)
+        per_block = kv_bytes_per_block(args.n_layers, args.n_kv_heads, args.head_dim, config.kv_block_size, dtype)
+        num_blocks = max(kv_budget_bytes(config, device) // per_block, 1)
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, config.kv_block_size,
+                 num_blocks * per_block / 2**20)
+        speculator = None
+        if config.speculative.enabled:
+            speculator = build_speculator(config, model, dtype, device, num_blocks)
+        engine = cls(model, config, num_blocks, load_tokenizer(config.tokenizer or config.model), speculator)
+        if compiles(config.compile, device):
+            engine.compile_steps()  # part of start-up: the server reports ready only after it
         return engine
 
-    def close(self) -> None:
-        """Stop the tensor-parallel worker processes, if any (the engine runs no step after this)."""
-        if self.tp_group is not None:
-            self.tp_group.shutdown()
+    def compile_steps(self, measure: bool | None = None) -> None:
+        """Compile (on CUDA: and capture) the forward of every small-step bucket, before any request.
+
+        measure (default: on CPU only): time each bucket eager and compiled, keep the compiled graph only
+        where it is faster."""
+        num_drafts = self.config.speculative.num_draft_tokens if self.config.speculative.enabled else 0
+        largest = min(self.config.max_num_seqs * (1 + num_drafts), self.config.max_num_batched_tokens)
+        self.compiled = CompiledForward(self.model, buckets_up_to(largest))
+        self.compiled.warm_up(self.cache, self.builder, self.device.type == "cpu" if measure is None else measure)
 
     # ---- requests -----------------------------------------------------------------------------------
 
@@ -233,10 +230,8 @@ class LLMEngine:
                 sampling.append(req)
                 drafts.append(spec)
                 starts.append(starts[-1] + len(spec) + 1)
-        batch = build_forward_batch(seqs, self.block_size, self.args.n_rep, self.device, self.dtype)
-        if self.tp_group is not None:
-            self.tp_group.send_step(seqs)  # the other ranks run this forward with rank 0
-        hidden = self.model(batch, self.cache)
+        batch = self.builder.build(seqs)
+        hidden = self.run_forward(batch)
         if not sampling and not prompt_rows:
             return {}, {}
         logits = self.model.compute_logits(hidden, batch.logits_index)  # [rows, vocab] fp32, request order
@@ -247,6 +242,12 @@ class LLMEngine:
         emitted = self.sample_or_verify(sampling, drafts, logits, starts)
         sampled = {r.request_id: tokens for r, tokens in zip(sampling, emitted, strict=True)}
         return sampled, self.logprobs_of(sampling, emitted, logits, starts)
+
+    def run_forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states [T, dim]: through the step's compiled bucket when there is one, else eagerly."""
+        if self.compiled is not None:
+            return self.compiled(batch, self.cache)
+        return self.model(batch, self.cache)
 
     def sample_or_verify(
         self, reqs: list[Request], drafts: list[list[int]], logits: torch.Tensor, starts: list[int]
@@ -383,6 +384,11 @@ def build_speculator(
         proposer = DraftModelProposer.load(spec.draft_model, config.model, model.args, dtype, device,
                                            model.max_model_len, num_blocks, config.kv_block_size)
     return Speculator(spec, proposer, config.max_num_batched_tokens, model.max_model_len)
+
+
+def compiles(mode: str, device: torch.device) -> bool:
+    """model.compile: auto compiles on CUDA only (on CPU the start-up cost outweighs the gain, measured)."""
+    return mode == "on" or (mode == "auto" and device.type == "cuda")
 
 
 def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:

@@ -122,19 +122,35 @@ class Attention(nn.Module):
         self.scale = args.head_dim**-0.5
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, cache: KVCache, layer: int
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch | None,
+        cache: KVCache | None,
+        layer: int,
     ) -> torch.Tensor:
         num_tokens, n_q, n_kv = x.shape[0], self.n_heads, self.n_kv_heads
         qkv = self.wqkv(x).view(num_tokens, n_q + 2 * n_kv, self.head_dim)
         qk = apply_rope(qkv[:, : n_q + n_kv], cos, sin)  # q and k heads rotated together
         q, k, v = qk[:, :n_q], qk[:, n_q:], qkv[:, n_q + n_kv :]  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
+        if batch is None or cache is None:
+            # compiled step (serving.engine.compile): attention is an opaque op that reads the step's batch and
+            # cache from its context, so the graph around it has static shapes
+            return self.wo(torch.ops.specdeploy.attention(q, k, v, layer))
+        return self.wo(self.attend(q, k, v, batch, cache, layer))
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, cache: KVCache, layer: int
+    ) -> torch.Tensor:
+        """Write the step's K/V and attend every group: [T, Hq, D] (and [T, Hkv, D] x 2) -> [T, Hq * D]."""
         cache.write(layer, batch.slot_mapping, k, v)
         if len(batch.groups) == 1:
-            return self.wo(self.attend_group(q, batch.groups[0], cache, layer))
-        out = torch.empty(num_tokens, n_q * self.head_dim, dtype=x.dtype, device=x.device)
+            return self.attend_group(q, batch.groups[0], cache, layer)
+        out = torch.empty(q.shape[0], self.n_heads * self.head_dim, dtype=q.dtype, device=q.device)
         for group in batch.groups:
             out[group.token_start : group.token_end] = self.attend_group(q, group, cache, layer)
-        return self.wo(out)
+        return out
 
     def attend_group(self, q: torch.Tensor, group: AttentionGroup, cache: KVCache, layer: int) -> torch.Tensor:
         """Padded SDPA for one group; returns [group tokens, Hq * D]."""
@@ -181,7 +197,13 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, cache: KVCache, layer: int
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch | None,
+        cache: KVCache | None,
+        layer: int,
     ) -> torch.Tensor:
         attended = self.attention(self.attention_norm(x), cos, sin, batch, cache, layer)
         if self.reduce is not None:  # tensor parallel: sum the ranks' partial row-parallel outputs
@@ -226,9 +248,15 @@ class Transformer(nn.Module):
 
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Run the batch through all layers, writing its K/V; returns hidden states [T, dim]."""
-        x = self.tok_embeddings(batch.input_ids)  # [T, dim]
-        cos = self.rope_cos[batch.positions].to(x.dtype).unsqueeze(1)  # [T, 1, D]
-        sin = self.rope_sin[batch.positions].to(x.dtype).unsqueeze(1)
+        return self.forward_tokens(batch.input_ids, batch.positions, batch, cache)
+
+    def forward_tokens(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch | None, cache: KVCache | None
+    ) -> torch.Tensor:
+        """The layers over [T] tokens; batch and cache None: attention through the compiled step's op."""
+        x = self.tok_embeddings(input_ids)  # [T, dim]
+        cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # [T, 1, D]
+        sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, batch, cache, i)
         return x

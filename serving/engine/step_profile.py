@@ -57,7 +57,7 @@ class StepTimer:
         self._steps_at_start = engine.steps_total
         targets: list[tuple[Any, str, str]] = [
             (engine, "step", "step"),
-            (engine.model, "forward", "forward"),
+            (engine, "run_forward", "forward"),
             (engine.model, "compute_logits", "lm_head"),
             (engine.cache, "write", "attention"),
             (engine, "sample_or_verify", "sampling"),
