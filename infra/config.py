@@ -213,6 +213,11 @@ class SlotSpec(StrictModel):
     image: str = Field(..., min_length=1, description="Server image, by digest in production.")
     model_version: str = Field(..., description="Weights URI of the model version this slot serves.")
     draft_version: str | None = Field(None, description="Weights URI of the draft version, if any.")
+    ami: str | None = Field(
+        None, pattern=r"^ami-[0-9a-f]{8,17}$",
+        description="AMI of this slot's instances (aws); default: fleet.ami_id, else resolved from SSM while the "
+                    "slot is idle and kept while it carries traffic.",
+    )
 
     @field_validator("model_version", "draft_version")
     @classmethod
@@ -225,6 +230,26 @@ class ReleaseSpec(StrictModel):
     canary_weight: int = Field(0, ge=0, le=100, description="Percent of traffic on the idle slot.")
     blue: SlotSpec | None = Field(None, description="The blue slot.")
     green: SlotSpec | None = Field(None, description="The green slot (absent until a release).")
+    gate_cidrs: list[str] | None = Field(
+        None, max_length=4,
+        description="Where release gates run from (aws): each slot's gate listener on the load balancer admits "
+                    "these; default access.allowed_cidrs on an internal load balancer, none on a public one.",
+    )
+
+    @field_validator("gate_cidrs")
+    @classmethod
+    def _cidrs(cls, value: list[str] | None) -> list[str] | None:
+        import ipaddress
+
+        for cidr in value or []:
+            try:
+                ipaddress.ip_network(cidr, strict=True)
+            except ValueError as exc:
+                raise ValueError(f"release.gate_cidrs: {cidr!r} is not a CIDR block ({exc})") from None
+            if ipaddress.ip_network(cidr).prefixlen == 0:
+                raise ValueError(f"release.gate_cidrs: {cidr} opens the slots' gate paths to the world; "
+                                 "list the networks operators and pipelines run from")
+        return value
 
     @model_validator(mode="after")
     def _active_exists(self) -> ReleaseSpec:
@@ -238,6 +263,14 @@ class ReleaseSpec(StrictModel):
     @property
     def idle_slot(self) -> Slot | None:
         return "green" if self.active == "blue" else "blue"
+
+    def weights(self) -> dict[str, int]:
+        """Percent of traffic per slot as the stack file records it."""
+        idle = "green" if self.active == "blue" else "blue"
+        return {self.active: 100 - self.canary_weight, idle: self.canary_weight}
+
+    def carries_traffic(self, name: str) -> bool:
+        return self.weights().get(name, 0) > 0
 
     def slot(self, name: str) -> SlotSpec | None:
         if name not in SLOTS:

@@ -52,6 +52,7 @@ def deploy_aws(config: StackConfig, stack: str, region: str) -> dict[str, pulumi
         "api_key_secret_arn": api_keys.secret_arn,
         "listener_arn": lb.listener_arn,
         "target_group_arns": lb.target_group_arns,
+        "gate_endpoints": lb.gate_endpoints,  # slot -> URL reaching that slot alone, from release gate_cidrs
         "asg_names": {slot: f.asg_name for slot, f in fleets.items()},
         "alarm_names": alerting.alarm_names,
         "dashboard_name": alerting.dashboard_name,

@@ -59,8 +59,16 @@ def load_balancer(config: StackConfig, net: Network) -> LoadBalancerArgs:
         server_port=config.service.port, active_slot=release.active, canary_weight=release.canary_weight,
         public=access.public, allowed_cidrs=access.allowed_cidrs, certificate_arn=access.certificate_arn,
         domain=access.domain, drain_grace_s=config.service.drain_grace_s,
-        request_timeout_s=config.scheduler.request_timeout_s,
+        request_timeout_s=config.scheduler.request_timeout_s, gate_cidrs=gate_cidrs(config),
     )
+
+
+def gate_cidrs(config: StackConfig) -> list[str]:
+    """Sources of the per-slot gate listeners: release.gate_cidrs, else the clients of an internal load balancer;
+    a public one opens no gate path unless release.gate_cidrs names the operators' networks."""
+    if config.slots.gate_cidrs is not None:
+        return list(config.slots.gate_cidrs)
+    return [] if config.access.public else list(config.access.allowed_cidrs)
 
 
 def boot(config: StackConfig, stack: str, region: str, slot: str, spec: SlotSpec) -> UserDataSpec:
@@ -88,6 +96,7 @@ def fleet(config: StackConfig, stack: str, region: str, slot: str, spec: SlotSpe
         subnet_ids=network.private_subnet_ids, lb_security_group_id=lb.security_group_id,
         target_group_arn=lb.target_group_arns[slot], repository_arn=images.repository_arn,
         secret_arn=api_keys.secret_arn, spot_alternatives=capacity.same_gpu_alternatives(3), bootstrap=bootstrap,
+        ami_id=spec.ami, carries_traffic=config.slots.carries_traffic(slot),
     )
 
 
@@ -95,7 +104,7 @@ def alerting(config: StackConfig, stack: str, region: str, lb: LoadBalancer, fle
              actions_enabled: bool) -> AlertingArgs:
     return AlertingArgs(
         stack=stack, region=region, rules=alert_rules(config), runbook_base_url=config.alerting.runbook_base_url,
-        active_slot=config.slots.active, alb_arn_suffix=lb.arn_suffix,
+        weights=config.slots.weights(), alb_arn_suffix=lb.arn_suffix,
         target_group_arn_suffixes=dict(lb.target_group_arn_suffixes),
         asg_names={slot: f.asg_name for slot, f in fleets.items()},
         emails=config.alerting.emails, https_endpoints=config.alerting.https_endpoints,

@@ -178,7 +178,7 @@ def _published(result: PreviewResult) -> set[tuple[str, str, frozenset[str]]]:
     # The load balancer publishes its own per-ALB and per-target-group series.
     for metric in ("RequestCount", "HTTPCode_Target_5XX_Count", "HTTPCode_ELB_5XX_Count"):
         series.add(("AWS/ApplicationELB", metric, frozenset({"LoadBalancer"})))
-    for metric in ("UnHealthyHostCount", "HealthyHostCount"):
+    for metric in ("UnHealthyHostCount", "HealthyHostCount", "RequestCount", "HTTPCode_Target_5XX_Count"):
         series.add(("AWS/ApplicationELB", metric, frozenset({"LoadBalancer", "TargetGroup"})))
     return series
 

@@ -50,8 +50,11 @@ def test_exports_name_what_operators_and_releases_read(stack: str, aws_stack: St
 @pytest.mark.parametrize("stack", STACKS)
 @pulumi.runtime.test
 def test_exported_alarm_names_cover_the_alert_set(stack: str, aws_stack: StackFn) -> None:
-    names = aws_stack(stack).exports["alarm_names"]
-    assert sorted(names) == sorted(f"{stack}-{r.name}" for r in alert_rules(load_stack(stack).config))
+    names = aws_stack(stack).exports["alarm_names"]  # slot -> its alarms, one per rule
+    slots = [s for s in ("blue", "green") if load_stack(stack).config.slots.slot(s) is not None]
+    assert sorted(names) == slots
+    for slot in slots:
+        assert sorted(names[slot]) == sorted(f"{stack}-{slot}-{r.name}" for r in alert_rules(load_stack(stack).config))
 
 
 @pytest.mark.parametrize("stack", STACKS)

@@ -122,15 +122,15 @@ def test_imds_v1_is_caught(aws_stack: StackFn) -> None:
 
 @pulumi.runtime.test
 def test_alarm_without_action_is_caught(aws_stack: StackFn) -> None:
-    found = _violations(aws_stack("dev"), "alarms-have-runbook-and-action", "alerts-SpecdeployHighErrorRate",
+    found = _violations(aws_stack("dev"), "alarms-have-runbook-and-action", "alerts-blue-SpecdeployHighErrorRate",
                         lambda p: p.update(alarmActions=[]))
-    assert [v.message for v in found] == ["alerts-SpecdeployHighErrorRate: alarm has no alarmActions; nobody "
+    assert [v.message for v in found] == ["alerts-blue-SpecdeployHighErrorRate: alarm has no alarmActions; nobody "
                                           "would be told"]
 
 
 @pulumi.runtime.test
 def test_alarm_without_runbook_is_caught(aws_stack: StackFn) -> None:
-    found = _violations(aws_stack("dev"), "alarms-have-runbook-and-action", "alerts-SpecdeployQueueBacklog",
+    found = _violations(aws_stack("dev"), "alarms-have-runbook-and-action", "alerts-blue-SpecdeployQueueBacklog",
                         lambda p: p.update(alarmDescription="Queue is long."))
     assert len(found) == 1 and "does not link a runbook" in found[0].message
 

@@ -1,15 +1,22 @@
 """Alerting: SNS topics, the shared alert set as CloudWatch alarms, and a dashboard.
 
 The rules come from infra/alerts.py (the same set the Kubernetes platform renders as a
-PrometheusRule): each becomes one alarm named `<stack>-<RuleName>` with the rule's
-threshold, comparison and duration, a description linking `runbooks/<RuleName>.md`,
-and actions on the topic of its severity. Critical alarms go to every subscriber
-(the pager's HTTPS endpoint included); warnings go to email.
+PrometheusRule): each becomes one alarm per slot named `<stack>-<slot>-<RuleName>` over
+that slot's autoscaling group and target group, with the rule's threshold, comparison
+and duration, a description linking `runbooks/<RuleName>.md`, and actions on the topic
+of its severity. Critical alarms go to every subscriber (the pager's HTTPS endpoint
+included); warnings go to email.
+
+Alarms follow traffic without a `pulumi up`: the alarms of a slot carrying traffic
+have their actions enabled, those of a slot at weight 0 disabled. Pulumi sets that at
+creation from the stack file's release; afterwards `specdeploy rollout|rollback` own
+it (EnableAlarmActions/DisableAlarmActions next to each listener change), so
+`actions_enabled` is in ignore_changes like the listener's weights.
 
 Signals: request, error and host counts from the load balancer (AWS/ApplicationELB);
 queue, GPU and readiness gauges published by the CloudWatch agent from the server's
 /metrics; p99 latency and TTFT from the histogram publisher's value/count sets
-(namespace `Specdeploy`, dimension AutoScalingGroupName of the active slot).
+(namespace `Specdeploy`, dimension AutoScalingGroupName of the alarm's slot).
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ class AlertingArgs:
     region: str
     rules: list[AlertRule]
     runbook_base_url: str
-    active_slot: str
+    weights: dict[str, int]  # slot -> percent of traffic the stack file records (alarm actions at creation)
     alb_arn_suffix: pulumi.Input[str]
     target_group_arn_suffixes: dict[str, pulumi.Input[str]]  # slot -> target group suffix
     asg_names: dict[str, pulumi.Input[str]]  # slot -> autoscaling group (defined slots only)
@@ -45,8 +52,10 @@ class AlertingArgs:
     actions_enabled: bool = True  # off while bootstrapping: a fleet at zero is expected, not an incident
 
     def __post_init__(self) -> None:
-        if self.active_slot not in self.asg_names:
-            raise ValueError(f"release.active: slot {self.active_slot!r} has no fleet")
+        without_fleet = sorted(slot for slot, weight in self.weights.items()
+                               if weight > 0 and slot not in self.asg_names)
+        if without_fleet:
+            raise ValueError(f"release: slot(s) {', '.join(without_fleet)} carry traffic but have no fleet")
         known = {"SpecdeployHighErrorRate", "SpecdeployHighP99Latency", "SpecdeployHighP99Ttft",
                  "SpecdeployQueueBacklog", "SpecdeployGpuMemoryHigh", "SpecdeployGpuUtilizationHigh",
                  "SpecdeployUnhealthyHosts", "SpecdeployFleetBelowMinimum"}
@@ -60,22 +69,31 @@ def _metric(namespace: str, name: str, dimensions: dict[str, Any], stat: str) ->
                        "stat": stat}}
 
 
-def _queries(rule: AlertRule, args: AlertingArgs) -> tuple[list[dict[str, Any]], str]:
-    """Metric queries of one alarm (the last one returns data) and how missing data counts."""
-    asg = {ASG_DIMENSION: args.asg_names[args.active_slot]}
+def alarm_name(stack: str, slot: str, rule: str) -> str:
+    return f"{stack}-{slot}-{rule}"
+
+
+def _queries(rule: AlertRule, args: AlertingArgs, slot: str) -> tuple[list[dict[str, Any]], str]:
+    """Metric queries of one slot's alarm (the last one returns data) and how missing data counts."""
+    asg = {ASG_DIMENSION: args.asg_names[slot]}
     lb = {"LoadBalancer": args.alb_arn_suffix}
+    tg = {**lb, "TargetGroup": args.target_group_arn_suffixes[slot]}
 
     def single(name: str, stat: str, dims: dict[str, Any] = asg,
                namespace: str = METRIC_NAMESPACE) -> list[dict[str, Any]]:
         return [{"id": "signal", "return_data": True, **_metric(namespace, name, dims, stat)}]
 
     if rule.name == "SpecdeployHighErrorRate":
+        # The slot's own requests and 5xx (target group dimension); the load balancer's own 502/503/504 have no
+        # target group, so they count against the whole load balancer's requests in every slot's alarm.
         return [
-            {"id": "requests", "return_data": False, **_metric(ELB, "RequestCount", lb, "Sum")},
-            {"id": "target5xx", "return_data": False, **_metric(ELB, "HTTPCode_Target_5XX_Count", lb, "Sum")},
+            {"id": "requests", "return_data": False, **_metric(ELB, "RequestCount", tg, "Sum")},
+            {"id": "target5xx", "return_data": False, **_metric(ELB, "HTTPCode_Target_5XX_Count", tg, "Sum")},
+            {"id": "lbrequests", "return_data": False, **_metric(ELB, "RequestCount", lb, "Sum")},
             {"id": "elb5xx", "return_data": False, **_metric(ELB, "HTTPCode_ELB_5XX_Count", lb, "Sum")},
             {"id": "signal", "return_data": True, "label": "5xx share of requests",
-             "expression": "IF(FILL(requests, 0) > 0, (FILL(target5xx, 0) + FILL(elb5xx, 0)) / requests, 0)"},
+             "expression": "MAX([IF(FILL(requests, 0) > 0, FILL(target5xx, 0) / requests, 0), "
+                           "IF(FILL(lbrequests, 0) > 0, FILL(elb5xx, 0) / lbrequests, 0)])"},
         ], "notBreaching"
     if rule.name == "SpecdeployHighP99Latency":
         return single(m.E2E, "p99"), "notBreaching"
@@ -92,30 +110,23 @@ def _queries(rule: AlertRule, args: AlertingArgs) -> tuple[list[dict[str, Any]],
             {"id": "signal", "return_data": True, "label": "GPU memory used share", "expression": "used / total"},
         ], "notBreaching"
     if rule.name == "SpecdeployUnhealthyHosts":
-        slots = sorted(args.target_group_arn_suffixes)
-        return [
-            *[{"id": slot, "return_data": False,
-               **_metric(ELB, "UnHealthyHostCount", {**lb, "TargetGroup": args.target_group_arn_suffixes[slot]},
-                         "Maximum")} for slot in slots],
-            {"id": "signal", "return_data": True, "label": "unhealthy targets, any slot",
-             "expression": f"MAX([{', '.join(slots)}])"},
-        ], "notBreaching"
-    # SpecdeployFleetBelowMinimum: targets of the active slot passing /ready; no data means none.
-    active_tg = {**lb, "TargetGroup": args.target_group_arn_suffixes[args.active_slot]}
-    return single("HealthyHostCount", "Minimum", active_tg, ELB), "breaching"
+        return single("UnHealthyHostCount", "Maximum", tg, ELB), "notBreaching"
+    # SpecdeployFleetBelowMinimum: targets of the slot passing /ready; no data means none.
+    return single("HealthyHostCount", "Minimum", tg, ELB), "breaching"
 
 
 class Alerting(pulumi.ComponentResource):
-    alarm_names: pulumi.Output[list[str]]
+    alarm_names: dict[str, pulumi.Output[list[str]]]  # slot -> its alarms
     topic_arns: dict[str, pulumi.Output[str]]
     dashboard_name: pulumi.Output[str]
 
     def __init__(self, name: str, args: AlertingArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("specdeploy:aws:Alerting", name, None, opts)
         topics = {severity: self._topic(name, severity, args) for severity in ("critical", "warning")}
-        alarms = [self._alarm(name, rule, args, topics[rule.severity]) for rule in args.rules]
+        alarms = {slot: [self._alarm(name, rule, args, slot, topics[rule.severity]) for rule in args.rules]
+                  for slot in sorted(args.asg_names)}
         dashboard = self._dashboard(name, args)
-        self.alarm_names = pulumi.Output.all(*[alarm.name for alarm in alarms])
+        self.alarm_names = {slot: pulumi.Output.all(*[alarm.name for alarm in made]) for slot, made in alarms.items()}
         self.topic_arns = {severity: topic.arn for severity, topic in topics.items()}
         self.dashboard_name = dashboard.dashboard_name
         self.register_outputs({"alarm_names": self.alarm_names, "topic_arns": self.topic_arns,
@@ -132,12 +143,13 @@ class Alerting(pulumi.ComponentResource):
                                       endpoint=endpoint, opts=child(self))
         return topic
 
-    def _alarm(self, name: str, rule: AlertRule, args: AlertingArgs,
+    def _alarm(self, name: str, rule: AlertRule, args: AlertingArgs, slot: str,
                topic: aws.sns.Topic) -> aws.cloudwatch.MetricAlarm:
-        queries, missing = _queries(rule, args)
+        queries, missing = _queries(rule, args, slot)
+        full_name = alarm_name(args.stack, slot, rule.name)
         return aws.cloudwatch.MetricAlarm(
-            f"{name}-{rule.name}",
-            name=f"{args.stack}-{rule.name}",
+            f"{name}-{slot}-{rule.name}",
+            name=full_name,
             alarm_description=rule.description(args.runbook_base_url),
             comparison_operator=COMPARISONS[rule.comparison],
             threshold=rule.threshold,
@@ -145,12 +157,12 @@ class Alerting(pulumi.ComponentResource):
             datapoints_to_alarm=rule.for_minutes,
             metric_queries=cast(list[aws.cloudwatch.MetricAlarmMetricQueryArgsDict], queries),
             treat_missing_data=missing,
-            actions_enabled=args.actions_enabled,
+            # A slot at weight 0 pages nobody; the release commands flip this as traffic moves (see above).
+            actions_enabled=args.actions_enabled and args.weights.get(slot, 0) > 0,
             alarm_actions=[topic.arn],
             ok_actions=[topic.arn],
-            tags=tags(f"{args.stack}-{rule.name}", severity=rule.severity,
-                      runbook=rule.runbook_url(args.runbook_base_url)),
-            opts=child(self),
+            tags=tags(full_name, severity=rule.severity, slot=slot, runbook=rule.runbook_url(args.runbook_base_url)),
+            opts=child(self, ignore_changes=["actionsEnabled"]),
         )
 
     def _dashboard(self, name: str, args: AlertingArgs) -> aws.cloudwatch.Dashboard:

@@ -54,6 +54,8 @@ class GpuFleetArgs:
     spot_alternatives: list[str] = field(default_factory=list)  # other types that fit, for spot pools
     log_retention_days: int = 30
     bootstrap: bool = False  # image or weights not pushed yet: the group exists with zero instances
+    ami_id: str | None = None  # release.<slot>.ami, pinned by the slot; else fleet.ami_id, else SSM
+    carries_traffic: bool = True  # the stack file gives this slot a share of traffic
 
     @property
     def launch_hook_timeout_s(self) -> int:
@@ -197,13 +199,19 @@ class GpuFleet(pulumi.ComponentResource):
     def _launch_template(self, name: str, args: GpuFleetArgs, profile: aws.iam.InstanceProfile,
                          sg: aws.ec2.SecurityGroup) -> aws.ec2.LaunchTemplate:
         fleet = args.fleet
-        if fleet.ami_id:
-            image_id: pulumi.Input[str] = fleet.ami_id
+        pinned = args.ami_id or fleet.ami_id
+        keep: list[str] = []
+        if pinned:
+            image_id: pulumi.Input[str] = pinned
         else:
             # Resolved at `pulumi up` and pinned in the template: a new AMI shows up as a reviewed diff.
             # An AMI id is public: `insecure_value` keeps it readable (`value` is always marked secret).
             image_id = aws.ssm.get_parameter_output(
                 name=fleet.ami_ssm_parameter, opts=pulumi.InvokeOutputOptions(parent=self)).insecure_value
+            if args.carries_traffic:
+                # A new AMI in SSM lands on the idle slot only and reaches traffic through a rollout: the
+                # template of a slot carrying traffic keeps the AMI it was created with.
+                keep = ["imageId"]
         instance_tags = tags(f"{name}-server", slot=args.slot, stack=args.stack)
         return aws.ec2.LaunchTemplate(
             f"{name}-lt",
@@ -235,7 +243,7 @@ class GpuFleet(pulumi.ComponentResource):
             tag_specifications=[{"resource_type": "instance", "tags": instance_tags},
                                 {"resource_type": "volume", "tags": instance_tags}],
             tags=tags(f"{name}-lt", slot=args.slot),
-            opts=child(self),
+            opts=child(self, ignore_changes=keep),
         )
 
     def _group(self, name: str, args: GpuFleetArgs, template: aws.ec2.LaunchTemplate) -> aws.autoscaling.Group:

@@ -25,6 +25,10 @@ TLS_POLICY = "ELBSecurityPolicy-TLS13-1-2-2021-06"
 READY_PATH = "/ready"
 # Paths for operators and the load balancer, never for internet clients (an ALB condition takes at most 5 values).
 INTERNAL_PATHS = ("/metrics", "/metrics/*", "/health", "/ready")
+# One gate listener per slot: release gates (launch validation, /ready, /metrics) reach that slot alone
+# through the load balancer, the only source the fleet's security group admits.
+GATE_PORTS = {"blue": 8081, "green": 8082}
+GATE_DENIED = "release gate path: source not in release.gate_cidrs"
 
 
 @dataclass(frozen=True)
@@ -41,12 +45,15 @@ class LoadBalancerArgs:
     drain_grace_s: float = 30.0  # the server's SIGTERM grace: deregistration waits this long
     request_timeout_s: float = 60.0  # the server's own limit: the idle timeout must outlast it
     access_log_days: int = 90
+    gate_cidrs: list[str] = field(default_factory=list)  # sources admitted to the per-slot gate listeners
 
     def __post_init__(self) -> None:
         if self.active_slot not in SLOTS:
             raise ValueError(f"release.active: {self.active_slot!r} is not one of {', '.join(SLOTS)}")
         if not 0 <= self.canary_weight <= 100:
             raise ValueError(f"release.canary_weight: {self.canary_weight} is not a percentage")
+        if len(self.gate_cidrs) > 4:  # a rule's conditions take at most 5 values, the port condition aside
+            raise ValueError(f"release.gate_cidrs: {len(self.gate_cidrs)} blocks; a listener rule takes at most 4")
 
     @property
     def tls(self) -> bool:
@@ -75,6 +82,7 @@ class LoadBalancer(pulumi.ComponentResource):
     log_bucket_name: pulumi.Output[str]
     target_group_arns: dict[str, pulumi.Output[str]]
     target_group_arn_suffixes: dict[str, pulumi.Output[str]]
+    gate_endpoints: dict[str, pulumi.Output[str]]  # slot -> base URL reaching that slot alone (gate_cidrs only)
 
     def __init__(self, name: str, args: LoadBalancerArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("specdeploy:aws:LoadBalancer", name, None, opts)
@@ -85,6 +93,7 @@ class LoadBalancer(pulumi.ComponentResource):
         listener = self._listeners(name, args, alb, groups)
         if args.public:
             self._hide_internal_paths(name, listener)
+        gates = {slot: self._gate(name, slot, args, alb, groups[slot]) for slot in SLOTS} if args.gate_cidrs else {}
         scheme = "https" if args.tls else "http"
         self.dns_name = alb.dns_name
         self.endpoint = pulumi.Output.concat(f"{scheme}://", args.domain or alb.dns_name)
@@ -94,7 +103,9 @@ class LoadBalancer(pulumi.ComponentResource):
         self.log_bucket_name = logs.bucket.bucket
         self.target_group_arns = {slot: tg.arn for slot, tg in groups.items()}
         self.target_group_arn_suffixes = {slot: tg.arn_suffix for slot, tg in groups.items()}
+        self.gate_endpoints = {slot: pulumi.Output.concat(self.endpoint, f":{GATE_PORTS[slot]}") for slot in gates}
         self.register_outputs({
+            "gate_endpoints": self.gate_endpoints,
             "endpoint": self.endpoint,
             "dns_name": self.dns_name,
             "arn_suffix": self.arn_suffix,
@@ -106,13 +117,19 @@ class LoadBalancer(pulumi.ComponentResource):
 
     def _security_group(self, name: str, args: LoadBalancerArgs) -> aws.ec2.SecurityGroup:
         listen_ports = [443, 80] if args.tls else [80]
+        ingress: list[aws.ec2.SecurityGroupIngressArgsDict] = [
+            {"protocol": "tcp", "from_port": port, "to_port": port, "cidr_blocks": list(args.allowed_cidrs),
+             "description": "clients" if port != 80 or not args.tls else "clients (redirect to HTTPS)"}
+            for port in listen_ports]
+        if args.gate_cidrs:
+            ingress += [{"protocol": "tcp", "from_port": GATE_PORTS[slot], "to_port": GATE_PORTS[slot],
+                         "cidr_blocks": list(args.gate_cidrs), "description": f"release gates to the {slot} slot"}
+                        for slot in SLOTS]
         return aws.ec2.SecurityGroup(
             f"{name}-sg",
             vpc_id=args.vpc_id,
             description=f"{'Public' if args.public else 'Internal'} ALB: clients on {listen_ports}",
-            ingress=[{"protocol": "tcp", "from_port": port, "to_port": port, "cidr_blocks": list(args.allowed_cidrs),
-                      "description": "clients" if port != 80 or not args.tls else "clients (redirect to HTTPS)"}
-                     for port in listen_ports],
+            ingress=ingress,
             # Egress to the instances is added by each fleet, pointing at its own security group.
             tags=tags(f"{name}-sg"),
             opts=child(self),
@@ -143,9 +160,13 @@ class LoadBalancer(pulumi.ComponentResource):
             "forward": {"target_groups": [{"arn": groups[slot].arn, "weight": weight}
                                           for slot, weight in sorted(args.weights().items())]},
         }
+        # The release commands own the weights after creation (`specdeploy rollout|rollback` move them in one
+        # ModifyListener call): a later `pulumi up`, refreshed or not, must not move traffic back to what an
+        # older stack file says. `specdeploy release record` writes the live split into the stack file.
+        owned = child(self, ignore_changes=["defaultActions"])
         if not args.tls:
             return aws.lb.Listener(f"{name}-http", load_balancer_arn=alb.arn, port=80, protocol="HTTP",
-                                   default_actions=[forward], opts=child(self))
+                                   default_actions=[forward], opts=owned)
         aws.lb.Listener(
             f"{name}-http-redirect", load_balancer_arn=alb.arn, port=80, protocol="HTTP",
             default_actions=[{"type": "redirect",
@@ -154,8 +175,34 @@ class LoadBalancer(pulumi.ComponentResource):
         )
         return aws.lb.Listener(
             f"{name}-https", load_balancer_arn=alb.arn, port=443, protocol="HTTPS", ssl_policy=TLS_POLICY,
-            certificate_arn=args.certificate_arn, default_actions=[forward], opts=child(self),
+            certificate_arn=args.certificate_arn, default_actions=[forward], opts=owned,
         )
+
+    def _gate(self, name: str, slot: str, args: LoadBalancerArgs, alb: aws.lb.LoadBalancer,
+              group: aws.lb.TargetGroup) -> aws.lb.Listener:
+        """The slot's gate path: a listener on GATE_PORTS[slot] forwarding to that slot's target group alone,
+        for sources in gate_cidrs (a rule; everyone else gets a fixed 403). Launch validation, /ready and the
+        metrics gate of `specdeploy rollout` go here instead of to the instances, which admit only the ALB."""
+        tls = {"protocol": "HTTPS", "ssl_policy": TLS_POLICY, "certificate_arn": args.certificate_arn} \
+            if args.tls else {"protocol": "HTTP"}
+        listener = aws.lb.Listener(
+            f"{name}-gate-{slot}", load_balancer_arn=alb.arn, port=GATE_PORTS[slot], **tls,
+            default_actions=[{"type": "fixed-response",
+                              "fixed_response": {"content_type": "text/plain", "message_body": GATE_DENIED,
+                                                 "status_code": "403"}}],
+            tags=tags(f"{name}-gate-{slot}", slot=slot),
+            opts=child(self),
+        )
+        aws.lb.ListenerRule(
+            f"{name}-gate-{slot}-admit",
+            listener_arn=listener.arn,
+            priority=1,
+            conditions=[{"source_ip": {"values": list(args.gate_cidrs)}}],
+            actions=[{"type": "forward", "target_group_arn": group.arn}],
+            tags=tags(f"{name}-gate-{slot}-admit", slot=slot),
+            opts=child(self),
+        )
+        return listener
 
     def _hide_internal_paths(self, name: str, listener: aws.lb.Listener) -> aws.lb.ListenerRule:
         """Answer 404 for /metrics, /health and /ready from the internet; the ALB's own health checks go

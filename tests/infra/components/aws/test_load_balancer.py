@@ -106,7 +106,9 @@ def test_log_bucket_uses_sse_s3_as_alb_requires(aws_stack: StackFn) -> None:
 @pulumi.runtime.test
 def test_internal_alb_admits_only_the_configured_networks(aws_stack: StackFn) -> None:
     ingress = aws_stack("dev").one("aws:ec2/securityGroup:SecurityGroup", "lb-sg").inputs["ingress"]
-    assert [(i["fromPort"], i["cidrBlocks"]) for i in ingress] == [(80, ["10.0.0.0/16"])]
+    # clients on 80; the release gates of each slot (release.gate_cidrs, default the clients) on 8081/8082
+    assert [(i["fromPort"], i["cidrBlocks"]) for i in ingress] == [
+        (80, ["10.0.0.0/16"]), (8081, ["10.0.0.0/16"]), (8082, ["10.0.0.0/16"])]
 
 
 def _args(**changes: Any) -> LoadBalancerArgs:
