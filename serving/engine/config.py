@@ -49,6 +49,11 @@ class EngineConfig(StrictModel):
     seed: int = Field(0, description="Seeds the generators of requests that bring no seed.")
     num_threads: int | None = Field(None, ge=1, description="CPU: torch intra-op threads (process-wide).")
     speculative: SpeculativeSection = Field(default_factory=SpeculativeSection)
+    # KV heads (and MLP width) must divide evenly: checked against the checkpoint when the engine starts
+    tensor_parallel_size: int = section_field(ModelSection, "tensor_parallel_size")
+    collective_timeout_s: float = Field(
+        60.0, gt=0, description="Tensor parallel: a collective (or a rank joining) that takes longer fails the "
+        "engine (not ready) instead of hanging it.")
 
     @model_validator(mode="after")
     def _step_budget(self) -> EngineConfig:
@@ -58,16 +63,9 @@ class EngineConfig(StrictModel):
     @classmethod
     def from_server_config(cls, config: ServerConfig) -> EngineConfig:
         model, scheduler = config.model, config.scheduler
-        if model.tensor_parallel_size != 1:
-            # Planned and provisioned (capacity plan, GPU count) but not served: refuse rather than load
-            # a model sized for N GPUs onto one.
-            raise ValueError(
-                f"model.tensor_parallel_size {model.tensor_parallel_size}: the engine does not run tensor "
-                "parallelism yet; it serves from one GPU (set model.tensor_parallel_size 1, or quantize with "
-                "model.quantization to fit one GPU)"
-            )
         return cls(
             model=model.path,
+            tensor_parallel_size=model.tensor_parallel_size,
             dtype=model.dtype,
             device=model.device,
             kv_block_size=scheduler.kv_block_size,

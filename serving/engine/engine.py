@@ -22,6 +22,7 @@ from serving.engine.grammar import RequestGrammar, apply_grammar_masks
 from serving.engine.kv_cache import BlockManager, KVCache, kv_bytes_per_block
 from serving.engine.loader import load_model, read_model_args, resolve_dtype
 from serving.engine.model import Transformer
+from serving.engine.parallel.group import TensorParallelGroup, start_workers
 from serving.engine.request import Request
 from serving.engine.sampling import compute_logprobs, sample_requests
 from serving.engine.scheduler import Scheduler, SchedulerOutput
@@ -75,6 +76,7 @@ class LLMEngine:
         # kept for the engine's life: its index ramps are made once, not per step
         self.builder = ForwardBatchBuilder(self.block_size, self.args.n_rep, self.device, self.dtype)
         self.compiled: CompiledForward | None = None  # set by compile_steps(); None: every step runs eagerly
+        self.tp_group: TensorParallelGroup | None = None  # ranks 1..tp-1 (from_config starts them)
 
     # ---- construction -------------------------------------------------------------------------------
 
@@ -97,16 +99,28 @@ class LLMEngine:
         max_model_len = config.max_model_len or args.max_position_embeddings
         if args.sliding_window:
             max_model_len = min(max_model_len, args.sliding_window)
-        model = load_model(config.model, dtype, device, max_model_len, config.quantization)
-        per_block = kv_bytes_per_block(args.n_layers, args.n_kv_heads, args.head_dim, config.kv_block_size, dtype)
-        num_blocks = max(kv_budget_bytes(config, device) // per_block, 1)
-        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, config.kv_block_size,
-                 num_blocks * per_block / 2**20)
-        speculator = None
-        if config.speculative.enabled:
-            speculator = build_speculator(config, model, dtype, device, num_blocks)
-        engine = cls(model, config, num_blocks, load_tokenizer(config.tokenizer or config.model), speculator)
-        if compiles(config.compile, device):
+        tp_group = start_workers(config, args, dtype, device, max_model_len)  # None unless tensor parallel
+        try:
+            model = load_model(config.model, dtype, device, max_model_len, config.quantization,
+                               shard=(0, config.tensor_parallel_size))
+            # per device: a tensor-parallel rank holds its share of the KV heads
+            per_block = kv_bytes_per_block(args.n_layers, model.args.n_kv_heads, args.head_dim,
+                                           config.kv_block_size, dtype)
+            num_blocks = max(kv_budget_bytes(config, device) // per_block, 1)
+            log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, config.kv_block_size,
+                     num_blocks * per_block / 2**20)
+            if tp_group is not None:
+                tp_group.ready(model, num_blocks)
+            speculator = None
+            if config.speculative.enabled:  # the draft runs on rank 0 only, unsharded
+                speculator = build_speculator(config, model, dtype, device, num_blocks)
+            engine = cls(model, config, num_blocks, load_tokenizer(config.tokenizer or config.model), speculator)
+        except BaseException:
+            if tp_group is not None:
+                tp_group.shutdown()
+            raise
+        engine.tp_group = tp_group
+        if compiles(config.compile, device) and tp_group is None:
             engine.compile_steps()  # part of start-up: the server reports ready only after it
         return engine
 
@@ -119,6 +133,11 @@ class LLMEngine:
         largest = min(self.config.max_num_seqs * (1 + num_drafts), self.config.max_num_batched_tokens)
         self.compiled = CompiledForward(self.model, buckets_up_to(largest))
         self.compiled.warm_up(self.cache, self.builder, self.device.type == "cpu" if measure is None else measure)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (the engine runs no step after this)."""
+        if self.tp_group is not None:
+            self.tp_group.shutdown()
 
     # ---- requests -----------------------------------------------------------------------------------
 
@@ -231,6 +250,8 @@ class LLMEngine:
                 drafts.append(spec)
                 starts.append(starts[-1] + len(spec) + 1)
         batch = self.builder.build(seqs)
+        if self.tp_group is not None:
+            self.tp_group.send_step(seqs)  # the other ranks run this forward with rank 0
         hidden = self.run_forward(batch)
         if not sampling and not prompt_rows:
             return {}, {}
