@@ -17,9 +17,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -45,10 +45,13 @@ from serving.engine.types import (
 
 
 def start_run(request: Request, state: ServerState, engine: Engine, body: SamplingFields, prompt_ids: list[int],
-              max_tokens: int | None, logprobs: int | None, id_prefix: str) -> GenerationRun:
+              max_tokens: int | None, logprobs: int | None, id_prefix: str,
+              prompt_logprobs: int | None = None) -> GenerationRun:
     """Check the server's limits, admit (or refuse at once), and return the run, not yet started."""
     tokens = resolve_max_tokens(state, engine, max_tokens, len(prompt_ids))
-    generation = GenerationRequest(new_request_id(id_prefix), prompt_ids, sampling_params(body, tokens, logprobs))
+    params = sampling_params(body, tokens, logprobs)
+    params.prompt_logprobs = prompt_logprobs
+    generation = GenerationRequest(new_request_id(id_prefix), prompt_ids, params)
     admit(state, engine, generation)
     scope_state = request.scope.setdefault("state", {})
     fields: dict[str, Any] = scope_state.setdefault("log_fields", {})
@@ -71,7 +74,7 @@ def resolve_max_tokens(state: ServerState, engine: Engine, requested: int | None
         raise ApiError(400, f"max_tokens is {requested}; the maximum output length is {limits.max_output_len}",
                        param="max_tokens", code="invalid_value")
     max_tokens = requested if requested is not None else min(limits.max_output_len, context - prompt_len)
-    if max_tokens < 1 or prompt_len + max_tokens > context:
+    if (max_tokens < 1 and requested != 0) or prompt_len + max_tokens > context:  # 0: scoring the prompt only
         raise ApiError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} "
                        f"exceeds the context length {context}", param="max_tokens", code="context_length_exceeded")
     return max_tokens
@@ -88,6 +91,9 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None)
         stop=body.stop_list,
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        logit_bias={int(token): bias for token, bias in (body.logit_bias or {}).items()},
     )
 
 
@@ -157,7 +163,7 @@ class GenerationRun:
             self._closing = asyncio.ensure_future(_close(self._primed[0]))
         await asyncio.shield(self._closing)
 
-    async def outputs(self) -> AsyncIterator[RequestOutput]:
+    async def outputs(self) -> AsyncGenerator[RequestOutput]:
         if self._primed is None:
             async for output in self._generate():
                 yield output
@@ -269,34 +275,34 @@ class Collected:
     text: str = ""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with echo + logprobs (completions)
 
 
-async def respond(request: Request, run: GenerationRun, stream: AsyncIterator[dict[str, Any]] | None,
-                  whole: Callable[[Collected], dict[str, Any]]) -> Response:
+Result = TypeVar("Result", covariant=True)
+
+
+class Respondable(Protocol[Result]):
+    """A run (or the runs of n choices): primed before a stream's headers, collected for a whole answer."""
+
+    async def prime(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def collect(self) -> Result: ...
+
+
+async def respond(request: Request, run: Respondable[Result], stream: AsyncIterator[dict[str, Any]] | None,
+                  whole: Callable[[Result], dict[str, Any]]) -> Response:
     """SSE when ``stream`` is given (headers only once the first token is there); else wait for the
     whole output. Either way the generation is aborted if the client leaves."""
     try:
         if stream is not None:
             await until_disconnect(request.receive, run.prime())
             return EventStreamResponse(sse_events(stream), on_close=run.close)
-        result = await until_disconnect(request.receive, collect(run))
+        result = await until_disconnect(request.receive, run.collect())
     except ClientGone:
         return Response(status_code=STATUS_CLIENT_CLOSED)
     return JSONResponse(whole(result))
-
-
-async def collect(run: GenerationRun) -> Collected:
-    result = Collected()
-    parts: list[str] = []
-    async for output in run.outputs():
-        parts.append(output.new_text)
-        result.logprobs.extend(output.logprobs or [])
-        if output.finished:
-            result.finish_reason = output.finish_reason
-    result.text = "".join(parts)
-    if result.finish_reason in (None, "abort"):
-        raise aborted_error()
-    return result
 
 
 async def sse_events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:

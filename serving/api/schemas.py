@@ -3,17 +3,19 @@ SDK extras; fields we accept but cannot honour are refused with a 400 naming the
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 MAX_STOP_SEQUENCES = 4
 MAX_LOGPROBS = 20
+MAX_CHOICES = 16  # n (and best_of): engine requests one HTTP request may start
 # Errors these schemas raise with their own code; the message names the field itself.
 EMPTY_PROMPT = "empty_prompt"
 INVALID_TEXT = "invalid_text"
-SCHEMA_ERROR_CODES = frozenset({EMPTY_PROMPT, INVALID_TEXT})
+UNSUPPORTED_FIELD = "unsupported_field"
+SCHEMA_ERROR_CODES = frozenset({EMPTY_PROMPT, INVALID_TEXT, UNSUPPORTED_FIELD})
 # torch.Generator.manual_seed takes a signed 64-bit seed; a bigger one used to crash the engine loop.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
@@ -58,34 +60,107 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")  # {} (no schema): any JSON object
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """Structured outputs: the output is constrained by a grammar (serving/engine/grammar.py)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_json_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object")
+        return self
+
+
+class FunctionDef(_Body):
+    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no parameters
+    strict: bool | None = None
+
+
+class ToolDef(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ToolCallFunction(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it back
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class SamplingFields(_Body):
     model: str = Field(..., min_length=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
-    n: int | None = 1
+    n: int | None = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, JSON keys are) -> bias in [-100, 100]
     ignore_eos: bool = False  # extension (benchmarks): generate exactly max_tokens
+    response_format: ResponseFormat | None = None
     user: str | None = None
 
-    @field_validator("n")
+    # OpenAI fields this server does not honour and whose absence would change the answer: 400 naming the field.
+    # (Harmless extras, metadata and hints, are ignored: docs/server.md lists every field.)
+    refused_fields: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
     @classmethod
-    def _only_one_choice(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise ValueError("only n=1 is supported")
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, why in cls.refused_fields.items():
+                value = data.get(name)
+                # an empty object still asks for something (web_search_options: {} turns web search on)
+                if value is None or value is False or value == [] or (name == "modalities" and value == ["text"]):
+                    continue
+                raise PydanticCustomError(UNSUPPORTED_FIELD, "{param} is not supported: {why}",
+                                          {"param": name, "why": why})
+        return data
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (value or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"keys must be token ids, got {token!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"bias of token {token} must be between -100 and 100, got {bias}")
         return value
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, value: float | None) -> float | None:
-        if value:
-            raise ValueError("penalties are not supported; use 0")
-        return value
+    @property
+    def choices(self) -> int:
+        return self.n or 1
 
     @field_validator("stop")
     @classmethod
@@ -113,33 +188,30 @@ class SamplingFields(_Body):
 
 
 class CompletionRequest(SamplingFields):
+    refused_fields: ClassVar[dict[str, str]] = {
+        "suffix": "insertion (fill-in-the-middle) needs a model trained for it",
+    }
+
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: score the prompt, generate nothing
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
-    suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool | None) -> bool | None:
-        if value:
-            raise ValueError("echo is not supported")
-        return value
+    @model_validator(mode="after")
+    def _choices_and_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens=0 generates nothing; it needs echo=true (to score the prompt)")
+        if self.best_of is not None and self.best_of < self.choices:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.choices})")
+        if self.best_of not in (None, self.choices) and self.stream:
+            raise ValueError("best_of cannot be used with stream (the best choices are known only at the end)")
+        return self
 
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, value: str | None) -> str | None:
-        if value:
-            raise ValueError("suffix is not supported")
-        return value
-
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise ValueError("only best_of=1 is supported")
-        return value
+    @property
+    def candidates(self) -> int:
+        """Choices generated: best_of of them, of which the n with the highest mean logprob are returned."""
+        return self.best_of or self.choices
 
     @field_validator("prompt")
     @classmethod
@@ -172,6 +244,16 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this message answers
+
+    @model_validator(mode="after")
+    def _tool_fields_by_role(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls is only allowed on assistant messages")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
 
     @property
     def text(self) -> str:
@@ -181,19 +263,37 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(SamplingFields):
+    refused_fields: ClassVar[dict[str, str]] = {
+        "audio": "the served models produce text only",
+        "modalities": "the served models produce text only (send [\"text\"] or leave it out)",
+        "functions": "the deprecated function calling API: use tools",
+        "function_call": "the deprecated function calling API: use tool_choice",
+        "prediction": "predicted outputs are not implemented",
+        "web_search_options": "the server has no web search",
+    }
+
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, object]] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; a forced choice (required / named) makes one call
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: list[dict[str, object]] | None) -> list[dict[str, object]] | None:
-        if value:
-            raise ValueError("tool calling is not supported")
-        return value
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        if self.tool_choice not in (None, "none", "auto") and not names:
+            raise ValueError("tool_choice requires tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names function {self.tool_choice.function.name!r}, which is not in tools")
+        forced = self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+        if forced and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("response_format cannot be combined with a forced tool_choice")
+        return self
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

@@ -31,7 +31,8 @@ from typing import Any, Literal
 import torch
 import xgrammar as xgr
 
-GrammarKind = Literal["json_object", "json_schema"]
+GrammarKind = Literal["json_object", "json_schema", "tool_call"]
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"  # the Hermes / Qwen convention
 _NATIVE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+?:\d+: ")  # "[05:05:28] /project/cpp/file.cc:94: " in xgrammar errors
 
 
@@ -41,7 +42,8 @@ class GrammarError(ValueError):
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """What to constrain the output to: any JSON object, or JSON valid against a schema (canonical text)."""
+    """What to constrain the output to: any JSON object, JSON valid against a schema (canonical text), or one
+    tool call, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, whose JSON follows the schema."""
 
     kind: GrammarKind
     schema: str | None = None
@@ -50,7 +52,21 @@ class GrammarSpec:
     def json_schema(cls, schema: Any) -> GrammarSpec:
         if not isinstance(schema, dict):
             raise GrammarError(f"the JSON schema must be an object, got {type(schema).__name__}")
-        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        return cls("json_schema", _canonical(schema))
+
+    @classmethod
+    def tool_call(cls, functions: dict[str, dict[str, Any] | None]) -> GrammarSpec:
+        """One call of one of `functions` (name -> its parameters' JSON schema; None: any object)."""
+        if not functions:
+            raise GrammarError("a tool call grammar needs at least one function")
+        calls = [{"type": "object", "properties": {"name": {"const": name},
+                                                    "arguments": params if params else {"type": "object"}},
+                  "required": ["name", "arguments"]} for name, params in sorted(functions.items())]
+        return cls("tool_call", _canonical(calls[0] if len(calls) == 1 else {"anyOf": calls}))
+
+
+def _canonical(schema: Any) -> str:
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
 
 
 class GrammarCompiler:
@@ -87,6 +103,11 @@ class GrammarCompiler:
             if spec.kind == "json_object":
                 return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             assert spec.schema is not None
+            if spec.kind == "tool_call":
+                call = xgr.Grammar.from_json_schema(spec.schema, any_whitespace=False, strict_mode=True)
+                return self._compiler.compile_grammar(xgr.Grammar.concat(
+                    xgr.Grammar.from_ebnf(f'root ::= "{TOOL_CALL_OPEN}"'), call,
+                    xgr.Grammar.from_ebnf(f'root ::= "{TOOL_CALL_CLOSE}"')))
             return self._compiler.compile_json_schema(spec.schema, any_whitespace=False, strict_mode=True)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise GrammarError(f"unsupported or invalid JSON schema: {_NATIVE_PREFIX.sub('', str(exc)).strip()}") \

@@ -26,6 +26,23 @@ def completion_logprobs(tokenizer: Any, entries: list[TokenLogprobs], offset: in
     }
 
 
+def prompt_logprobs_first(tokenizer: Any, prompt_ids: list[int], entries: list[TokenLogprobs | None],
+                          generated: dict[str, Any]) -> dict[str, Any]:
+    """echo: the prompt's tokens (the first has no logprob: null, as OpenAI reports it) before the generated ones."""
+    tokens = [token_text(tokenizer, t) for t in prompt_ids]
+    offsets, offset = [], 0
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens + generated["tokens"],
+        "token_logprobs": [e.logprob if e is not None else None for e in entries] + generated["token_logprobs"],
+        "top_logprobs": [{token_text(tokenizer, t): lp for t, lp in e.top_logprobs} if e is not None else None
+                         for e in entries] + generated["top_logprobs"],
+        "text_offset": offsets + generated["text_offset"],
+    }
+
+
 def chat_logprobs(tokenizer: Any, entries: list[TokenLogprobs]) -> dict[str, Any]:
     def item(token_id: int, logprob: float) -> dict[str, Any]:
         text = token_text(tokenizer, token_id)

@@ -101,7 +101,7 @@ def test_the_routers_only_build_the_prompt() -> None:
 
     for router in (chat, completions):
         source = Path(router.__file__).read_text()
-        assert "start_run(" in source and "respond(" in source
+        assert "start_choices(" in source and "respond(" in source  # start_choices: start_run per choice
         for check in ("resolve_max_tokens", "check_admission", ".validate(", "prompt is empty"):
             assert check not in source, f"{router.__name__} checks {check} itself"
 

@@ -1,0 +1,87 @@
+"""Tool calls parsed out of text (whole and streamed), the template fallback, and the request fields."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from pydantic import ValidationError
+
+from serving.api.schemas import ChatCompletionRequest
+from serving.api.tools import ToolCallStream, fallback_messages, grammar_spec, parse_tool_calls
+
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def test_whole_output_splits_into_content_and_calls() -> None:
+    content, calls = parse_tool_calls("Let me check. " + CALL + CALL.replace("Paris", "Rome"))
+    assert content == "Let me check. "
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_weather"]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}, {"city": "Rome"}]
+    assert len({c["id"] for c in calls}) == 2 and all(c["type"] == "function" for c in calls)
+    assert parse_tool_calls(CALL)[0] is None  # nothing but calls: content is null, as OpenAI sends it
+
+
+def test_text_that_is_not_a_call_stays_text() -> None:
+    text = "a <tool_call>not json</tool_call> b <tool"
+    assert parse_tool_calls(text) == (text, [])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_streamed_calls_are_found_whatever_the_chunk_boundaries(seed: int) -> None:
+    text = "Sure. " + CALL + " done <tool almost"
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(text)), 8))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    stream = ToolCallStream()
+    content, calls = "", []
+    for piece in pieces:
+        more, found = stream.feed(piece)
+        assert "<tool_call>" not in more  # a call's text never leaks into the content stream
+        content, calls = content + more, calls + found
+    more, found = stream.finish()
+    assert content + more == "Sure.  done <tool almost"
+    assert [json.loads(c["function"]["arguments"]) for c in calls + found] == [{"city": "Paris"}]
+
+
+def test_fallback_prompt_lists_tools_and_writes_calls_and_results_as_text() -> None:
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "18 C", "tool_call_id": "call_1"},
+    ]
+    out = fallback_messages(messages, TOOLS)
+    assert out[0]["role"] == "system" and '"name": "get_weather"' in out[0]["content"]
+    assert out[2] == {"role": "assistant", "content": CALL}
+    assert out[3] == {"role": "user", "content": "<tool_response>\n18 C\n</tool_response>"}
+
+
+def body(**fields: object) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields})
+
+
+def test_forced_tool_choice_becomes_a_tool_call_grammar() -> None:
+    assert grammar_spec(body(tools=TOOLS)) is None  # auto: the model chooses
+    assert grammar_spec(body(tools=TOOLS, tool_choice="none")) is None
+    spec, param = grammar_spec(body(tools=TOOLS, tool_choice="required")) or (None, None)
+    assert param == "tools" and spec is not None and spec.kind == "tool_call"
+    named = grammar_spec(body(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    assert named is not None and named[0] == spec
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS}, "not in tools"),
+    ({"tool_choice": "required"}, "tool_choice requires tools"),
+    ({"tools": TOOLS + TOOLS}, "names must be unique"),
+    ({"response_format": {"type": "json_schema"}}, "needs a json_schema object"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "needs the tool_call_id"),
+])
+def test_bad_tool_fields_are_refused_naming_the_problem(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        body(**fields)
