@@ -104,11 +104,11 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the stop string or token id that ended it, if any
     arrival_time: float = 0.0  # time.monotonic() when the engine accepted the request
     first_token_time: float | None = None  # time.monotonic() of the first generated token
-
-
     # with params.prompt_logprobs, on the first chunk: one per prompt token (None for the first, which has no
     # context to be predicted from)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+
 RejectionKind = Literal["never_fits", "queue_full", "invalid", "unavailable"]
 
 
