@@ -24,6 +24,7 @@ GREEN = {
     # prod speculates with a draft model, so every slot names its draft (the stack schema checks it)
     "draft_version": "s3://acme-specdeploy-models-prod/llama-3.2-1b-instruct/2026-12-02",
 }
+MODEL_BUCKET = "acme-specdeploy-models-prod"  # stacks/Pulumi.prod.yaml's model bucket
 ALARM_PREFIX = "prod-"  # the alerting component names alarms <stack>-<RuleName>
 RUNBOOKS = "https://example.com/runbooks"
 
@@ -114,6 +115,7 @@ def aws_world(moto_endpoint: str) -> Iterator[AwsRelease]:
                 EvaluationPeriods=rule.for_minutes, Threshold=rule.threshold,
                 ComparisonOperator="GreaterThanThreshold", AlarmDescription=rule.description(RUNBOOKS))
             names.append(name)
+        boto3.client("s3").create_bucket(Bucket=MODEL_BUCKET)  # the release lock and audit trail live there
         world = AwsRelease(listener, groups, names)
 
         def record(event_name: str, **_: Any) -> None:
