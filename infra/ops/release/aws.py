@@ -4,6 +4,13 @@ The load balancer component (``infra/components/aws/load_balancer.py``) creates 
 listener whose default action forwards to the blue and green target groups by
 weight. A shift rewrites that action's weights in one ``ModifyListener`` call and
 keeps everything else in it (stickiness, the order of the groups) as it was.
+
+Gates reach one slot alone through that slot's gate listener on the same load
+balancer (stack output ``gate_endpoints``): the fleet's security group admits the
+server port from the load balancer only, so the instances' private addresses are
+never probed. Each slot has its own alarms (``<stack>-<slot>-<Rule>``); after every
+shift the slots carrying traffic get their alarm actions enabled, a slot at 0 %
+disabled, so paging follows traffic without a ``pulumi up``.
 """
 
 from __future__ import annotations
@@ -28,16 +35,15 @@ def client(service: str, region: str | None = None) -> Any:
 
 
 class AlbRouter:
-    def __init__(self, elbv2: Any, listener_arn: str, target_groups: Mapping[str, str], ec2: Any = None,
-                 server_port: int | None = None) -> None:
+    def __init__(self, elbv2: Any, listener_arn: str, target_groups: Mapping[str, str],
+                 gate_endpoints: Mapping[str, str] | None = None) -> None:
         missing = [slot for slot in SLOTS if not target_groups.get(slot)]
         if missing:
             raise ReleaseError(f"no target group ARN for slot(s) {', '.join(missing)}")
         self.elbv2 = elbv2
-        self.ec2 = ec2
         self.listener_arn = listener_arn
         self.target_groups = dict(target_groups)
-        self.server_port = server_port
+        self.gate_endpoints = {slot: url.rstrip("/") for slot, url in (gate_endpoints or {}).items() if url}
         self.description = f"ALB listener {listener_arn}"
 
     def _forward_action(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -84,32 +90,40 @@ class AlbRouter:
         healthy = [t["Target"] for t in health if t["TargetHealth"]["State"] == "healthy"]
         counts = ", ".join(f"{n} {s}" for s, n in sorted(states.items())) or "no targets registered"
         detail = f"target group {arn.rsplit(':', 1)[-1]}: {counts}"
-        return SlotStatus(ready=bool(healthy), detail=detail, endpoints=self._endpoints(healthy))
-
-    def _endpoints(self, targets: Sequence[Mapping[str, Any]]) -> list[str]:
-        """http://<private ip>:<port> of healthy targets: the slot reached directly, not through the ALB."""
-        ips: dict[str, str] = {}
-        instance_ids = [t["Id"] for t in targets if str(t["Id"]).startswith("i-")]
-        if instance_ids and self.ec2 is not None:
-            for reservation in self.ec2.describe_instances(InstanceIds=instance_ids)["Reservations"]:
-                for instance in reservation["Instances"]:
-                    if instance.get("PrivateIpAddress"):
-                        ips[instance["InstanceId"]] = instance["PrivateIpAddress"]
-        endpoints = []
-        for target in targets:
-            host = ips.get(target["Id"]) or (None if str(target["Id"]).startswith("i-") else target["Id"])
-            port = target.get("Port") or self.server_port
-            if host and port:
-                endpoints.append(f"http://{host}:{port}")
-        return endpoints
+        gate = self.gate_endpoints.get(slot)
+        # The slot's gate listener, never the targets' private addresses (only the ALB may reach those).
+        return SlotStatus(ready=bool(healthy), detail=detail, endpoints=[gate] if gate else [])
 
 
 class CloudWatchAlarms:
-    """The stack's CloudWatch alarms, by exact name."""
+    """The stack's CloudWatch alarms, by exact name; ``by_slot`` says which slot each one watches."""
 
-    def __init__(self, cloudwatch: Any, names: Sequence[str]) -> None:
+    def __init__(self, cloudwatch: Any, names: Sequence[str],
+                 by_slot: Mapping[str, Sequence[str]] | None = None) -> None:
         self.cloudwatch = cloudwatch
-        self.names = list(names)
+        self.by_slot = {slot: list(listed) for slot, listed in (by_slot or {}).items() if slot in SLOTS}
+        self.names = list(dict.fromkeys([*names, *(n for listed in self.by_slot.values() for n in listed)]))
+
+    def follow(self, weights: Weights) -> dict[str, bool]:
+        """Alarm actions on for the slots with traffic, off for a slot at 0 %; returns slot -> enabled."""
+        changed: dict[str, bool] = {}
+        for slot, names in sorted(self.by_slot.items()):
+            if not names:
+                continue
+            on = weights.get(slot, 0) > 0
+            for start in range(0, len(names), 100):  # the API takes at most 100 names a call
+                batch = names[start : start + 100]
+                if on:
+                    self.cloudwatch.enable_alarm_actions(AlarmNames=batch)
+                else:
+                    self.cloudwatch.disable_alarm_actions(AlarmNames=batch)
+            changed[slot] = on
+        return changed
+
+    def actions_enabled(self) -> dict[str, bool]:
+        """slot -> whether all of its alarms page (a mix reads as False)."""
+        enabled = {a["AlarmName"]: bool(a.get("ActionsEnabled")) for a in self._describe()}
+        return {slot: all(enabled.get(n, False) for n in names) for slot, names in self.by_slot.items() if names}
 
     def watched(self) -> list[str]:
         return list(self.names)
@@ -130,6 +144,7 @@ class CloudWatchAlarms:
                 for a in self._describe() if a.get("StateValue") == "ALARM"]
 
 
-def alarm_names(rules: Sequence[AlertRule], prefix: str) -> list[str]:
-    """CloudWatch names of the stack's alarms: the alerting component names each ``<stack>-<RuleName>``."""
-    return [f"{prefix}{rule.name}" for rule in rules]
+def alarm_names(rules: Sequence[AlertRule], prefix: str, slots: Sequence[str] = SLOTS) -> dict[str, list[str]]:
+    """CloudWatch names of the stack's alarms by slot: the alerting component names each
+    ``<stack>-<slot>-<RuleName>`` (``prefix`` is ``<stack>-``)."""
+    return {slot: [f"{prefix}{slot}-{rule.name}" for rule in rules] for slot in slots}

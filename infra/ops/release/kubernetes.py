@@ -87,14 +87,6 @@ def _annotations(obj: Mapping[str, Any]) -> Mapping[str, str]:
 
 # --- the API server -----------------------------------------------------------------------------
 
-class KubeApiError(ReleaseError):
-    """An HTTP error answer of the API server; ``status`` lets callers tell 404 and 409 apart."""
-
-    def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.status = status
-
-
 class KubeApi:
     """Just enough of the Kubernetes REST API: GET and PATCH JSON, bearer or client-cert auth."""
 
@@ -159,7 +151,7 @@ class KubeApi:
                 payload = response.read()
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:300]
-            raise KubeApiError(f"Kubernetes API {method} {path}: HTTP {exc.code}: {detail}", exc.code) from None
+            raise ReleaseError(f"Kubernetes API {method} {path}: HTTP {exc.code}: {detail}") from None
         except OSError as exc:
             raise ReleaseError(f"Kubernetes API {self.server} unreachable: {exc}") from None
         result: dict[str, Any] = json.loads(payload) if payload else {}

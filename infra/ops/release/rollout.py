@@ -6,7 +6,11 @@ file say so. Any breach moves all traffic back in one call and leaves the stack 
 on the old slot. The state is saved after every step, so a rollout killed at any
 point can be resumed (``--resume``) or rolled back.
 
-rollback: all traffic to the previous slot in one call, then the stack file.
+rollback: all traffic to the previous slot in one call, nothing else; writing that into the
+stack file is a separate, reviewable step (``record``, or ``rollback(..., record=True)``).
+
+After every weight change the alarm actions follow the traffic (``Release.alarm_actions``):
+the slots with traffic page, a slot at 0 % does not.
 """
 
 from __future__ import annotations
@@ -15,12 +19,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.config import StackFile
+from infra.config import ReleaseSpec, StackFile
 from infra.ops.release.gates import GateWatcher
-from infra.ops.release.model import ReleaseError, Slot, after_shift, as_slot, other, rollback_target, weights_to
+from infra.ops.release.model import (
+    ReleaseError,
+    Slot,
+    Weights,
+    after_shift,
+    as_slot,
+    other,
+    rollback_target,
+    weights_to,
+)
 from infra.ops.release.stackfile import write_release
 from infra.ops.release.state import RolloutState, StateStore, StepLog
-from infra.ops.release.traffic import TrafficRouter
+from infra.ops.release.traffic import AlarmActions, TrafficRouter
 from infra.ops.release.validation import Validator
 
 Say = Callable[[str], None]  # progress lines for the operator
@@ -35,6 +48,7 @@ class Release:
     store: StateStore
     log: StepLog
     say: Say = field(default=lambda line: None)
+    alarm_actions: AlarmActions | None = None  # paging follows traffic after every shift (AWS alarms)
 
 
 @dataclass(frozen=True)
@@ -45,6 +59,7 @@ class Outcome:
     reason: str | None = None  # why it stopped or rolled back
     stack_file_changed: bool = False
     rolled_back: bool = False  # traffic had moved and was moved back
+    recorded: ReleaseSpec | None = None  # what the stack file says once recorded (rollback: unless --record)
 
 
 def rollout(
@@ -63,13 +78,49 @@ def rollout(
         return _rollout(release, to, steps, observe_s, gates, validator, endpoints, report_dir, resume)
 
 
-def rollback(release: Release, to: str | None = None, force: bool = False) -> Outcome:
-    """All traffic to the previous slot in one router call; then the stack file agrees.
+def rollback(release: Release, to: str | None = None, force: bool = False, record: bool = False) -> Outcome:
+    """All traffic to the previous slot in one router call (and paging with it); the stack file only
+    with ``record`` — otherwise :func:`record` writes it later, as its own reviewable change.
 
     Refuses (unless ``force``) when that slot has nothing ready: it would route every request to nothing.
     """
     with release.store.exclusive():
-        return _rollback(release, to, force)
+        return _rollback(release, to, force, record)
+
+
+def routed_release(spec: ReleaseSpec, weights: Weights) -> ReleaseSpec:
+    """The stack-file release describing ``weights`` as routed: the slot with all traffic is active; a split
+    keeps the recorded active slot (or the other one, should that have none) with the rest as canary."""
+    for slot, percent in weights.items():
+        if percent >= 100:
+            return after_shift(spec, slot, 100)
+    active = spec.active if weights.get(spec.active, 0) > 0 else other(spec.active)
+    return spec.model_copy(update={"active": active, "canary_weight": 100 - weights.get(active, 0)})
+
+
+def record(release: Release) -> tuple[Outcome, str]:
+    """Make the stack file say what the router routes now; returns the outcome and the unified diff."""
+    import difflib
+
+    path = release.stack.path
+    before = path.read_text(encoding="utf-8")
+    weights = release.router.weights()
+    wanted = routed_release(release.stack.config.slots, weights)
+    changed = write_release(path, wanted)
+    after = path.read_text(encoding="utf-8")
+    diff = "".join(difflib.unified_diff(before.splitlines(keepends=True), after.splitlines(keepends=True),
+                                        fromfile=f"a/{path.name}", tofile=f"b/{path.name}"))
+    release.log.write("record", weights=weights, active=wanted.active, canary_weight=wanted.canary_weight,
+                      stack_file=str(path), changed=changed)
+    return Outcome(True, wanted.active, weights, None, changed, recorded=wanted), diff
+
+
+def _route(release: Release, weights: Weights) -> None:
+    """One router call, then paging follows the new split."""
+    release.router.set_weights(weights)
+    if release.alarm_actions is not None:
+        paging = release.alarm_actions.follow(weights)
+        release.log.write("alarm_actions", enabled=paging)
 
 
 def _rollout(release: Release, to: str, steps: Sequence[int], observe_s: float, gates: GateWatcher,
@@ -121,8 +172,7 @@ def _rollout(release: Release, to: str, steps: Sequence[int], observe_s: float, 
         if weight <= state.completed_weight:
             continue
         weights = weights_to(target, weight)
-        release.store.check_lock()  # a broken or taken-over lock stops the rollout before it moves traffic
-        release.router.set_weights(weights)
+        _route(release, weights)
         state.current_weight = weight
         release.store.save(state)
         log.write("shift", slot=target, weight=weight, weights=weights, router=release.router.description)
@@ -143,7 +193,7 @@ def _rollout(release: Release, to: str, steps: Sequence[int], observe_s: float, 
     return Outcome(True, target if final >= 100 else other(target), weights, None, changed)
 
 
-def _rollback(release: Release, to: str | None, force: bool) -> Outcome:
+def _rollback(release: Release, to: str | None, force: bool, record: bool) -> Outcome:
     spec = release.stack.config.slots
     state = release.store.load()
     interrupted = state if state is not None and state.unfinished else None
@@ -156,17 +206,18 @@ def _rollback(release: Release, to: str | None, force: bool) -> Outcome:
         raise ReleaseError(f"{target} has nothing ready to take the traffic ({status.detail}); "
                            "rolling back would send every request to nothing. --force does it anyway")
     weights = weights_to(target, 100)
-    release.router.set_weights(weights)
+    _route(release, weights)
     release.log.write("rollback", slot=target, weights=weights, router=release.router.description,
                       interrupted_rollout=interrupted is not None)
-    changed = write_release(release.stack.path, after_shift(spec, target, 100))
+    recorded = after_shift(spec, target, 100)
+    changed = write_release(release.stack.path, recorded) if record else False
     if interrupted is not None:
         interrupted.phase = "rolled_back"
         interrupted.reason = "rolled back by operator"
         interrupted.current_weight = 0
         release.store.save(interrupted)
-    release.log.write("stack_file", path=str(release.stack.path), active=target, changed=changed)
-    return Outcome(True, target, weights, None, changed)
+    release.log.write("stack_file", path=str(release.stack.path), active=target, changed=changed, recorded=record)
+    return Outcome(True, target, weights, None, changed, recorded=recorded if record else None)
 
 
 def _start_or_resume(release: Release, target: Slot, steps: list[int], observe_s: float,
@@ -216,7 +267,7 @@ def _refuse(release: Release, state: RolloutState, reason: str) -> Outcome:
 def _roll_back_on_breach(release: Release, state: RolloutState, reason: str) -> Outcome:
     back = as_slot(state.from_slot)
     weights = weights_to(back, 100)
-    release.router.set_weights(weights)
+    _route(release, weights)
     release.log.write("rollback", slot=back, weights=weights, reason=reason, at_weight=state.current_weight,
                       automatic=True, router=release.router.description)
     changed = write_release(release.stack.path, after_shift(release.stack.config.slots, back, 100))

@@ -25,6 +25,7 @@ OUT_TARGET_GROUP_ARNS = "target_group_arns"  # {"blue": arn, "green": arn}
 OUT_ALARM_NAMES = "alarm_names"  # AWS: CloudWatch alarm names
 OUT_ALERT_NAMES = "alert_names"  # Kubernetes: PrometheusRule alert names
 OUT_NAMESPACE = "namespace"
+OUT_GATE_ENDPOINTS = "gate_endpoints"  # AWS: {"blue": url, "green": url}, each slot's gate listener on the ALB
 
 ENV_LISTENER_ARN = "SPECDEPLOY_LISTENER_ARN"
 ENV_TARGET_GROUP_ARN = "SPECDEPLOY_{SLOT}_TARGET_GROUP_ARN"
@@ -47,7 +48,6 @@ class TargetOptions:
     kubeconfig: str | None = None
     kube_context: str | None = None
     prometheus_url: str | None = None
-    lock_bucket: str | None = None  # aws: bucket of the release lock and audit trail
 
 
 def stack_outputs(stack: str) -> dict[str, Any]:
@@ -94,19 +94,33 @@ def target_groups(options: TargetOptions, outputs: Mapping[str, Any], env: Mappi
     return groups
 
 
-def slot_endpoints(slot: str, options: TargetOptions, env: Mapping[str, str]) -> list[str]:
+def slot_endpoints(slot: str, options: TargetOptions, env: Mapping[str, str],
+                   outputs: Mapping[str, Any] | None = None) -> list[str]:
+    """Base URLs reaching ``slot`` alone: --slot-endpoint, $SPECDEPLOY_<SLOT>_ENDPOINT, else the slot's gate
+    path from the stack outputs (AWS: its gate listener on the load balancer)."""
     if options.slot_endpoints:
         return [e.rstrip("/") for e in options.slot_endpoints]
     raw = env.get(ENV_SLOT_ENDPOINT.format(SLOT=slot.upper()), "")
-    return [e.strip().rstrip("/") for e in raw.split(",") if e.strip()]
+    listed = [e.strip().rstrip("/") for e in raw.split(",") if e.strip()]
+    if listed:
+        return listed
+    gate = ((outputs or {}).get(OUT_GATE_ENDPOINTS) or {}).get(slot)
+    return [str(gate).rstrip("/")] if gate else []
 
 
-def alarm_names(options: TargetOptions, outputs: Mapping[str, Any], key: str) -> list[str] | None:
-    """Explicit alarm names, or None when they must be discovered."""
+def alarm_names(options: TargetOptions, outputs: Mapping[str, Any], key: str) -> dict[str, list[str]] | None:
+    """Explicit alarm names by slot ("" for names given without one), or None when they must be discovered.
+
+    The AWS stack exports ``{slot: [names]}``; a flat list (older stacks, --alarm) is kept under "".
+    """
     if options.alarm_names:
-        return list(options.alarm_names)
+        return {"": list(options.alarm_names)}
     listed = outputs.get(key)
-    return [str(n) for n in listed] if listed else None
+    if not listed:
+        return None
+    if isinstance(listed, Mapping):
+        return {str(slot): [str(n) for n in names] for slot, names in listed.items()}
+    return {"": [str(n) for n in listed]}
 
 
 def environ() -> Mapping[str, str]:

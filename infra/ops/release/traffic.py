@@ -44,6 +44,14 @@ class TrafficRouter(Protocol):
         ...
 
 
+class AlarmActions(Protocol):
+    """Who gets paged: the alarms of the slots carrying traffic, never those of an idle slot."""
+
+    def follow(self, weights: Weights) -> dict[str, bool]:
+        """Enable the alarm actions of slots with traffic and disable them at 0 %; slot -> enabled."""
+        ...
+
+
 class AlarmSource(Protocol):
     """The stack's alarms (CloudWatch alarms, or Prometheus alerts from the same rules)."""
 

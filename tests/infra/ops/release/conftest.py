@@ -19,13 +19,12 @@ from serving import metric_names as m
 from tests.loopback import loopback_http
 
 GREEN = {
-    "image": "123456789012.dkr.ecr.us-east-1.amazonaws.com/specdeploy-server@sha256:" + "4" * 64,
+    "image": "123456789012.dkr.ecr.us-east-1.amazonaws.com/specdeploy-prod@sha256:" + "4" * 64,  # the stack's repo
     "model_version": "s3://acme-specdeploy-models-prod/llama-3.1-8b-instruct/2026-12-02",
     # prod speculates with a draft model, so every slot names its draft (the stack schema checks it)
     "draft_version": "s3://acme-specdeploy-models-prod/llama-3.2-1b-instruct/2026-12-02",
 }
-MODEL_BUCKET = "acme-specdeploy-models-prod"  # stacks/Pulumi.prod.yaml's model bucket
-ALARM_PREFIX = "prod-"  # the alerting component names alarms <stack>-<RuleName>
+ALARM_PREFIX = "prod-"  # the alerting component names alarms <stack>-<slot>-<RuleName>
 RUNBOOKS = "https://example.com/runbooks"
 
 
@@ -59,11 +58,23 @@ class AwsRelease:
     def count(self, operation: str) -> int:
         return sum(1 for call in self.calls if call.endswith(f".{operation}"))
 
-    def set_alarm(self, rule_name: str, state: str = "ALARM") -> None:
+    def set_alarm(self, rule_name: str, state: str = "ALARM", slot: str = "green") -> None:
         import boto3
 
         boto3.client("cloudwatch").set_alarm_state(
-            AlarmName=f"{ALARM_PREFIX}{rule_name}", StateValue=state, StateReason=f"test set {state}")
+            AlarmName=f"{ALARM_PREFIX}{slot}-{rule_name}", StateValue=state, StateReason=f"test set {state}")
+
+    def paging(self) -> dict[str, bool]:
+        """slot -> whether its alarms have actions enabled (all of them; a mix fails the test)."""
+        import boto3
+
+        alarms = boto3.client("cloudwatch").describe_alarms(AlarmNames=self.alarm_names)["MetricAlarms"]
+        by_slot: dict[str, set[bool]] = {}
+        for alarm in alarms:
+            slot = alarm["AlarmName"].removeprefix(ALARM_PREFIX).split("-", 1)[0]
+            by_slot.setdefault(slot, set()).add(bool(alarm["ActionsEnabled"]))
+        assert all(len(states) == 1 for states in by_slot.values()), by_slot
+        return {slot: states.pop() for slot, states in sorted(by_slot.items())}
 
     def cli_args(self) -> list[str]:
         return ["--listener-arn", self.listener_arn,
@@ -108,14 +119,15 @@ def aws_world(moto_endpoint: str) -> Iterator[AwsRelease]:
         for slot, instance in zip(("blue", "green"), instances, strict=True):
             elbv2.register_targets(TargetGroupArn=groups[slot], Targets=[{"Id": instance["InstanceId"], "Port": 8000}])
         names = []
-        for rule in alert_rules(load_stack("prod").config):
-            name = f"{ALARM_PREFIX}{rule.name}"
-            cloudwatch.put_metric_alarm(
-                AlarmName=name, Namespace="Specdeploy", MetricName=rule.name, Statistic="Maximum", Period=60,
-                EvaluationPeriods=rule.for_minutes, Threshold=rule.threshold,
-                ComparisonOperator="GreaterThanThreshold", AlarmDescription=rule.description(RUNBOOKS))
-            names.append(name)
-        boto3.client("s3").create_bucket(Bucket=MODEL_BUCKET)  # the release lock and audit trail live there
+        for slot in ("blue", "green"):  # one alarm per rule and slot, as the alerting component renders them
+            for rule in alert_rules(load_stack("prod").config):
+                name = f"{ALARM_PREFIX}{slot}-{rule.name}"
+                cloudwatch.put_metric_alarm(
+                    AlarmName=name, Namespace="Specdeploy", MetricName=rule.name, Statistic="Maximum", Period=60,
+                    EvaluationPeriods=rule.for_minutes, Threshold=rule.threshold,
+                    ComparisonOperator="GreaterThanThreshold", AlarmDescription=rule.description(RUNBOOKS),
+                    ActionsEnabled=slot == "blue", AlarmActions=["arn:aws:sns:us-east-1:123456789012:pager"])
+                names.append(name)
         world = AwsRelease(listener, groups, names)
 
         def record(event_name: str, **_: Any) -> None:
@@ -133,6 +145,8 @@ def aws_release(aws_world: AwsRelease) -> AwsRelease:
 
     aws_world.set_weights({"blue": 100, "green": 0})
     cloudwatch = boto3.client("cloudwatch")
+    cloudwatch.enable_alarm_actions(AlarmNames=[n for n in aws_world.alarm_names if "-blue-" in n])
+    cloudwatch.disable_alarm_actions(AlarmNames=[n for n in aws_world.alarm_names if "-green-" in n])
     for alarm in cloudwatch.describe_alarms(AlarmNames=aws_world.alarm_names)["MetricAlarms"]:
         if alarm["StateValue"] != "OK":
             cloudwatch.set_alarm_state(AlarmName=alarm["AlarmName"], StateValue="OK", StateReason="fixture")

@@ -118,7 +118,7 @@ def test_firing_alert_rolls_the_route_back(api_server: FakeApiServer, kubeconfig
 
 
 def test_rollback_is_one_patch_of_the_route(api_server: FakeApiServer, kubeconfig: Path, gateway_copy: Path) -> None:
-    assert k8s("rollback", gateway_copy, kubeconfig, "--no-pulumi-up") == 0
+    assert k8s("rollback", gateway_copy, kubeconfig, "--record") == 0
     assert api_server.patches() == [ROUTE_PATH]
     assert backends(api_server.objects[ROUTE_PATH]) == [("specdeploy-blue", 100), ("specdeploy-green", 0)]
     release = load_stack("k8s-prod", gateway_copy).config.slots

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import json
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -126,7 +125,6 @@ class FakeApiServer:
     firing: list[str] = field(default_factory=list)  # alert names Prometheus reports firing ...
     firing_after_patches: int = 0  # ... once this many routing changes happened
     pod_metrics: SlotServer | None = None  # what green's pods answer on /metrics through the API proxy
-    mutex: threading.Lock = field(default_factory=threading.Lock)  # one write at a time, as etcd orders them
 
     def patches(self) -> list[str]:
         return [path for method, path in self.calls if method == "PATCH"]
@@ -210,44 +208,6 @@ def serve_objects(rendered: list[dict[str, Any]]) -> Iterator[FakeApiServer]:
             fake.objects[self.path]["metadata"]["resourceVersion"] = str(int(current) + 1)
             return self._reply(200, fake.objects[self.path])
 
-        def _body(self) -> dict[str, Any]:
-            return dict(json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}"))
-
-        def do_POST(self) -> None:  # noqa: N802 (create: 409 AlreadyExists when the name is taken)
-            fake.calls.append(("POST", self.path))
-            body = self._body()
-            path = f"{self.path}/{body['metadata']['name']}"
-            with fake.mutex:
-                if path in fake.objects:
-                    return self._reply(409, {"kind": "Status", "reason": "AlreadyExists"})
-                body["metadata"]["resourceVersion"] = "1"
-                fake.objects[path] = body
-            return self._reply(201, body)
-
-        def do_PUT(self) -> None:  # noqa: N802 (replace: 409 Conflict unless resourceVersion is the current one)
-            fake.calls.append(("PUT", self.path))
-            body = self._body()
-            with fake.mutex:
-                if self.path not in fake.objects:
-                    return self._reply(404, {"kind": "Status", "reason": "NotFound"})
-                current = fake.objects[self.path]["metadata"]["resourceVersion"]
-                if body.get("metadata", {}).get("resourceVersion") != current:
-                    return self._reply(409, {"kind": "Status", "reason": "Conflict"})
-                body["metadata"]["resourceVersion"] = str(int(current) + 1)
-                fake.objects[self.path] = body
-            return self._reply(200, body)
-
-        def do_DELETE(self) -> None:  # noqa: N802 (preconditions.resourceVersion as the API server checks it)
-            fake.calls.append(("DELETE", self.path))
-            wanted = self._body().get("preconditions", {}).get("resourceVersion")
-            with fake.mutex:
-                if self.path not in fake.objects:
-                    return self._reply(404, {"kind": "Status", "reason": "NotFound"})
-                if wanted is not None and wanted != fake.objects[self.path]["metadata"]["resourceVersion"]:
-                    return self._reply(409, {"kind": "Status", "reason": "Conflict"})
-                del fake.objects[self.path]
-            return self._reply(200, {"kind": "Status", "status": "Success"})
-
         def log_message(self, *args: Any) -> None:
             pass
 
@@ -285,9 +245,13 @@ def test_firing_prometheus_alert_rolls_the_canary_back(
 
 def test_rollback_is_one_patch_of_the_canary_ingress(api_server: FakeApiServer, kubeconfig: Path,
                                                      prod_copy: Path) -> None:
-    assert k8s("rollback", prod_copy, kubeconfig, "--no-pulumi-up") == 0
+    assert k8s("rollback", prod_copy, kubeconfig) == 0
     assert api_server.patches() == ["/apis/networking.k8s.io/v1/namespaces/specdeploy/ingresses/specdeploy-canary"]
     assert canary_weights(api_server.canary()) == {"green": 0, "blue": 100}
+    release = load_stack("k8s-prod", prod_copy).config.slots
+    assert (release.active, release.canary_weight) == ("blue", 10)  # recording is a separate step
+    assert main(["release", "record", "--stack", "k8s-prod", "--stacks-dir", str(prod_copy), "--state-dir",
+                 str(prod_copy.parent / "state"), "--kubeconfig", str(kubeconfig)]) == 0
     release = load_stack("k8s-prod", prod_copy).config.slots
     assert (release.active, release.canary_weight) == ("blue", 0)  # the committed 10 % canary is gone
 
@@ -322,8 +286,8 @@ def test_without_an_endpoint_the_pods_metrics_are_read_through_the_api_proxy(
 def test_rollback_refuses_a_slot_with_nothing_ready(api_server: FakeApiServer, kubeconfig: Path, prod_copy: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     api_server.objects["/apis/apps/v1/namespaces/specdeploy/deployments/specdeploy-blue"]["status"] = {}
-    assert k8s("rollback", prod_copy, kubeconfig, "--no-pulumi-up") == 2
+    assert k8s("rollback", prod_copy, kubeconfig) == 2
     assert "blue has nothing ready" in capsys.readouterr().err
     assert api_server.patches() == []
-    assert k8s("rollback", prod_copy, kubeconfig, "--no-pulumi-up", "--force") == 0
+    assert k8s("rollback", prod_copy, kubeconfig, "--force") == 0
     assert canary_weights(api_server.canary()) == {"green": 0, "blue": 100}

@@ -44,7 +44,12 @@ def rollout(aws: AwsRelease, stacks: Path, slot: SlotServer, *extra: str) -> int
 
 def rollback(aws: AwsRelease, stacks: Path, *extra: str) -> int:
     return main(["rollback", "--stack", "prod", "--stacks-dir", str(stacks), "--state-dir",
-                 str(stacks.parent / "state"), "--no-pulumi-up", *aws.cli_args(), *extra])
+                 str(stacks.parent / "state"), *aws.cli_args(), *extra])
+
+
+def record(aws: AwsRelease, stacks: Path, *extra: str) -> int:
+    return main(["release", "record", "--stack", "prod", "--stacks-dir", str(stacks), "--state-dir",
+                 str(stacks.parent / "state"), *aws.cli_args(), *extra])
 
 
 def events(stacks: Path) -> list[dict[str, Any]]:
@@ -96,8 +101,7 @@ def test_full_rollout_shifts_10_50_100_and_updates_the_stack_file(
     assert "git add" in out and "Pulumi.prod.yaml" in out
     # Every step is logged as one JSON line.
     kinds = [e["event"] for e in events(prod_copy)]
-    assert kinds[0] == "alarms" and "start" in kinds and kinds[-2:] == ["done", "lock_released"]
-    assert kinds.index("lock_acquired") < kinds.index("start")  # the shared lock brackets the release
+    assert kinds[0] == "alarms" and "start" in kinds and kinds[-1] == "done"
     assert kinds.count("step_ok") == 3
     checks = [e for e in events(prod_copy) if e["event"] == "gate_check"]
     assert checks and all(c["ok"] for c in checks)
@@ -115,7 +119,7 @@ def test_alarm_mid_rollout_rolls_back_to_the_old_slot(
     assert [e["weight"] for e in events(prod_copy) if e["event"] == "shift"] == [10, 50]
     rolled = [e for e in events(prod_copy) if e["event"] == "rollback"]
     assert len(rolled) == 1 and rolled[0]["automatic"] and rolled[0]["at_weight"] == 50
-    assert f"{ALARM_PREFIX}SpecdeployHighErrorRate" in rolled[0]["reason"]
+    assert f"{ALARM_PREFIX}green-SpecdeployHighErrorRate" in rolled[0]["reason"]
     out = capsys.readouterr().out
     assert "rolled back" in out and "SpecdeployHighErrorRate is ALARM" in out
     assert release_of(prod_copy) == ("blue", 0)
@@ -171,15 +175,25 @@ def test_rollback_flips_all_traffic_in_one_api_call(aws_release: AwsRelease, pro
     released = load_stack("prod", prod_copy).config.slots.model_copy(update={"active": "green"})
     write_release(prod_copy / "Pulumi.prod.yaml", released)  # as a finished rollout to green leaves it
     aws_release.set_weights({"blue": 0, "green": 100})
+    aws_release.calls.clear()
+    before = (prod_copy / "Pulumi.prod.yaml").read_text()
     assert rollback(aws_release, prod_copy) == 0
     assert aws_release.count("ModifyListener") == 1
-    mutating = [c for c in aws_release.calls if not c.split(".")[-1].startswith("Describe")
-                and not c.startswith("s3.")]  # S3: the release lock and audit trail
-    assert mutating == ["elastic-load-balancing-v2.ModifyListener"]
+    mutating = [c for c in aws_release.calls if not c.split(".")[-1].startswith("Describe")]
+    # The listener, then paging follows the traffic: nothing else (no pulumi up, no stack file).
+    assert mutating == ["elastic-load-balancing-v2.ModifyListener", "cloudwatch.EnableAlarmActions",
+                        "cloudwatch.DisableAlarmActions"]
     assert aws_release.weights() == {"blue": 100, "green": 0}
+    assert aws_release.paging() == {"blue": True, "green": False}
+    assert (prod_copy / "Pulumi.prod.yaml").read_text() == before  # recording is its own step
+    out = capsys.readouterr().out
+    assert "specdeploy release record --stack prod" in out and "pulumi up" not in out
+    assert record(aws_release, prod_copy, "--check") == 1
+    assert record(aws_release, prod_copy) == 0
     assert release_of(prod_copy) == ("blue", 0)
     out = capsys.readouterr().out
-    assert "pulumi up --stack prod" in out and "git add" in out
+    assert "-    active: green" in out and "+    active: blue" in out and "git add" in out
+    assert record(aws_release, prod_copy, "--check") == 0
 
 
 def test_interrupted_rollout_resumes_from_its_last_step(
@@ -219,9 +233,11 @@ def test_rollout_held_at_a_canary_records_the_weight(aws_release: AwsRelease, pr
     assert rollout(aws_release, prod_copy, slot_server, "--steps", "10") == 0
     assert aws_release.weights() == {"blue": 90, "green": 10}
     assert release_of(prod_copy) == ("blue", 10)
-    assert rollback(aws_release, prod_copy) == 0  # a committed canary is removed
+    assert aws_release.paging() == {"blue": True, "green": True}  # both slots serve: both page
+    assert rollback(aws_release, prod_copy, "--record") == 0  # a committed canary is removed
     assert aws_release.weights() == {"blue": 100, "green": 0}
     assert release_of(prod_copy) == ("blue", 0)
+    assert aws_release.paging() == {"blue": True, "green": False}
 
 
 def interrupt_at_50(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -255,39 +271,32 @@ def test_arns_come_from_the_environment(aws_release: AwsRelease, prod_copy: Path
     for slot, arn in aws_release.target_groups.items():
         monkeypatch.setenv(f"SPECDEPLOY_{slot.upper()}_TARGET_GROUP_ARN", arn)
     assert main(["rollback", "--stack", "prod", "--to", "green", "--stacks-dir", str(prod_copy),
-                 "--state-dir", str(prod_copy.parent / "state"), "--no-pulumi-up"]) == 0
+                 "--state-dir", str(prod_copy.parent / "state"), "--record"]) == 0
     assert aws_release.weights() == {"blue": 0, "green": 100}
     assert release_of(prod_copy) == ("green", 0)
 
 
 def test_missing_listener_is_a_one_line_error(aws_release: AwsRelease, prod_copy: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["rollback", "--stack", "prod", "--stacks-dir", str(prod_copy), "--no-pulumi-up"]) == 2
+    assert main(["rollback", "--stack", "prod", "--stacks-dir", str(prod_copy)]) == 2
     assert "pass --listener-arn or set SPECDEPLOY_LISTENER_ARN" in capsys.readouterr().err
 
 
-def test_rollback_runs_pulumi_up_through_the_automation_api_when_a_cli_exists(
+def test_rollback_never_runs_pulumi_up_even_when_a_cli_exists(
         aws_release: AwsRelease, prod_copy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import shutil
 
     from pulumi import automation
 
-    ran: list[str] = []
-
-    class FakeStack:
-        def up(self, on_output: Callable[[str], None]) -> Any:
-            ran.append("up")
-            return type("Result", (), {"summary": type("Summary", (), {"result": "succeeded"})()})()
-
     real_which = shutil.which
     monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/pulumi" if name == "pulumi" else real_which(name))
-    monkeypatch.setattr(automation, "select_stack", lambda stack_name, work_dir: ran.append(stack_name) or FakeStack())
+    monkeypatch.setattr(automation, "select_stack", lambda **kwargs: pytest.fail("rollback ran pulumi up"))
     from infra.ops.release import targets
 
     monkeypatch.setattr(targets, "stack_outputs", lambda stack: {})
     assert main(["rollback", "--stack", "prod", "--to", "green", "--stacks-dir", str(prod_copy), "--state-dir",
                  str(prod_copy.parent / "state"), *aws_release.cli_args()]) == 0
-    assert ran == ["prod", "up"]
+    assert aws_release.weights() == {"blue": 0, "green": 100}
 
 
 def test_launch_validator_runs_the_quick_profile_against_the_slot(monkeypatch: pytest.MonkeyPatch,
@@ -339,7 +348,7 @@ def test_interrupt_says_how_to_continue(aws_release: AwsRelease, prod_copy: Path
 
 
 def test_aws_errors_are_one_line(aws_release: AwsRelease, prod_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["rollback", "--stack", "prod", "--stacks-dir", str(prod_copy), "--no-pulumi-up", "--listener-arn",
+    assert main(["rollback", "--stack", "prod", "--stacks-dir", str(prod_copy), "--listener-arn",
                  aws_release.listener_arn.replace("listener/app/", "listener/app/x"),
                  "--target-group", f"blue={aws_release.target_groups['blue']}",
                  "--target-group", f"green={aws_release.target_groups['green']}"]) == 2
