@@ -428,8 +428,8 @@ class CapacityPlan:
             lines.append(f"note         the server uses {e.tp} GPU(s) (model.tensor_parallel_size); "
                          f"{inst.gpus - e.tp} of {inst.gpus} GPUs stay idle")
         if e.tp > 1:
-            lines.append("note         planned and provisioned for tensor parallelism; the engine does not run it "
-                         "yet and refuses model.tensor_parallel_size > 1 at start-up")
+            lines.append(f"note         tensor parallel: the server starts {e.tp} processes, one per GPU (NCCL); "
+                         "rank 0 schedules and samples, every rank holds its share of heads, MLP and KV cache")
         return "\n".join(lines)
 
     def _why_chosen(self) -> str:
@@ -519,8 +519,7 @@ def _tp_suggestion(config: StackConfig, estimate: MemoryEstimate) -> list[str]:
         ok = sorted((item for item in CATALOG if check_fit(trial, item, mmu).fits), key=lambda i: i.price_per_hour)
         if ok:
             return [f"    - model.tensor_parallel_size {estimate.tp} -> {tp} (cheapest that fits: {ok[0].name}, "
-                    f"{ok[0].gpus} GPUs, ${ok[0].price_per_hour:.2f}/h; planned and provisioned, the engine "
-                    "does not run it yet)"]
+                    f"{ok[0].gpus} GPUs, ${ok[0].price_per_hour:.2f}/h)"]
     return ["    - no catalogued type fits even at model.tensor_parallel_size 8"]
 
 

@@ -160,6 +160,7 @@ class AsyncEngine:
             while not self._stopping:
                 self._apply_commands()
                 if not self.engine.has_unfinished_requests():
+                    self.engine.check_alive()  # a tensor-parallel rank lost while idle: not ready at once
                     self._wakeup.wait(_IDLE_WAIT_S)
                     self._wakeup.clear()
                     continue

@@ -139,6 +139,11 @@ class LLMEngine:
         if self.tp_group is not None:
             self.tp_group.shutdown()
 
+    def check_alive(self) -> None:
+        """Raise (EngineDeadError) if a tensor-parallel rank has died; the step loop calls it while idle too."""
+        if self.tp_group is not None:
+            self.tp_group.check_alive()
+
     # ---- requests -----------------------------------------------------------------------------------
 
     def check_admission(self, request: GenerationRequest, queued_elsewhere: int = 0) -> None:

@@ -30,7 +30,7 @@ def test_70b_with_tp8_picks_an_8_gpu_instance_and_shows_per_gpu_memory() -> None
     assert e.kv_peak_per_gpu == pytest.approx(e.kv_peak / 8)
     text = result.render()
     assert f"per GPU weights {e.weights / GIB:.1f}/8 = {e.weights / 8 / GIB:.1f} GiB" in text
-    assert "the engine does not run it yet" in text
+    assert "tensor parallel: the server starts 8 processes, one per GPU" in text
     assert result.as_dict()["tensor_parallel_size"] == 8
 
 

@@ -37,6 +37,7 @@ from serving.engine.types import EngineDeadError
 log = logging.getLogger(__name__)
 
 _JOIN_S = 10.0  # shutdown: how long a worker gets to leave after "stop" before it is terminated
+_REAP_S = 0.5  # after a failed collective: how long to wait for a dying rank's exit, to name it
 
 
 class RankFailedError(EngineDeadError):
@@ -156,6 +157,8 @@ class TensorParallelGroup:
         try:
             dist.all_reduce(tensor)
         except Exception as exc:  # a peer died (connection closed) or the collective timed out
+            for proc in self.procs:  # a rank killed a moment ago may not be reaped yet: give it a moment
+                proc.join(_REAP_S)
             self.check_alive()  # names the dead rank when there is one
             raise self._fail(f"tensor-parallel all-reduce failed: {exc}") from exc
         return tensor

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from serving.engine.engine import LLMEngine
-from serving.engine.types import SamplingParams
+from serving.engine.types import EngineDeadError, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -68,3 +72,26 @@ def test_logits_match_one_process(kit, models: dict[str, Path], model: str, tp: 
     for g, e in zip(got_logits, expected_logits, strict=True):
         torch.testing.assert_close(g, e, rtol=0, atol=1e-5)
     assert running(pids) == [], "workers outlived engine.close()"
+
+
+def test_a_rank_lost_while_idle_makes_the_engine_unhealthy_without_a_request(kit, models: dict[str, Path]) -> None:
+    from serving.engine.async_engine import AsyncEngine
+
+    async def scenario() -> tuple[BaseException | None, list[int]]:
+        engine = AsyncEngine(kit.make_engine(models["llama"], tensor_parallel_size=2))
+        pids = engine.engine.tp_group.worker_pids
+        await engine.start()
+        try:
+            assert engine.healthy
+            os.kill(pids[0], signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while engine.healthy and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert not engine.healthy
+            return engine.error, pids
+        finally:
+            await engine.stop()
+
+    error, pids = asyncio.run(scenario())
+    assert isinstance(error, EngineDeadError) and "tensor-parallel rank 1" in str(error), error
+    assert running(pids) == []
