@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,6 +35,15 @@ import xgrammar as xgr
 GrammarKind = Literal["json_object", "json_schema", "tool_call"]
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"  # the Hermes / Qwen convention
 _NATIVE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+?:\d+: ")  # "[05:05:28] /project/cpp/file.cc:94: " in xgrammar errors
+
+
+class _Clock:
+    """Seconds the engine thread spent on grammar work (masks, matcher walks): `bench grammar` reports it."""
+
+    seconds = 0.0
+
+
+ENGINE_TIME = _Clock()
 
 
 class GrammarError(ValueError):
@@ -140,7 +150,10 @@ class RequestGrammar:
         return bool(self.matcher.is_terminated())
 
     def accept(self, token: int) -> bool:
-        return 0 <= token < self.vocab_size and bool(self.matcher.accept_token(token))
+        started = time.perf_counter()
+        ok = 0 <= token < self.vocab_size and bool(self.matcher.accept_token(token))
+        ENGINE_TIME.seconds += time.perf_counter() - started
+        return ok
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
@@ -175,6 +188,7 @@ def apply_grammar_masks(logits: torch.Tensor, grammars: Sequence[RequestGrammar 
     rows = [i for i, g in enumerate(grammars) if g is not None and not g.is_terminated]
     if not rows:
         return logits
+    started = time.perf_counter()
     out = logits.clone()
     vocab = max(g.vocab_size for g in grammars if g is not None)
     bitmask = xgr.allocate_token_bitmask(len(grammars), vocab)
@@ -183,6 +197,7 @@ def apply_grammar_masks(logits: torch.Tensor, grammars: Sequence[RequestGrammar 
         assert grammar is not None
         grammar.fill(bitmask, i)
     _mask_rows(out, bitmask, rows, vocab)
+    ENGINE_TIME.seconds += time.perf_counter() - started
     return out
 
 
@@ -194,6 +209,7 @@ def mask_verify_rows(
     masked row of that draft gives it probability 0, so verification never reaches them."""
     if all(g is None for g in grammars):
         return
+    started = time.perf_counter()
     vocab = max(g.vocab_size for g in grammars if g is not None)
     bitmask = xgr.allocate_token_bitmask(logits.shape[0], vocab)
     rows: list[int] = []
@@ -213,3 +229,4 @@ def mask_verify_rows(
         start += len(draft) + 1
     if rows:
         _mask_rows(logits, bitmask, rows, vocab)
+    ENGINE_TIME.seconds += time.perf_counter() - started

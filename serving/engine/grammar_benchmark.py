@@ -19,7 +19,7 @@ import torch
 
 from serving.engine.config import EngineConfig, SpeculativeConfig
 from serving.engine.engine import LLMEngine
-from serving.engine.grammar import GrammarCompiler, GrammarSpec
+from serving.engine.grammar import ENGINE_TIME, GrammarCompiler, GrammarSpec
 from serving.engine.types import GenerationRequest, SamplingParams
 
 MIN_ITEMS = 64
@@ -42,6 +42,9 @@ class GrammarBenchReport:
     repeats: int
     compile_s: float
     tokens_per_s: dict[str, dict[int, float]] = field(default_factory=dict)  # mode -> concurrency -> best tok/s
+    # concurrency -> share of the constrained runs' wall time spent in grammar work (masks, matcher walks):
+    # 1 - share is the ratio the grammar alone allows, steadier than two tok/s figures on a loaded machine
+    grammar_share: dict[int, float] = field(default_factory=dict)
 
     def ratio(self, concurrency: int) -> float:
         return self.tokens_per_s["constrained"][concurrency] / self.tokens_per_s["unconstrained"][concurrency]
@@ -50,11 +53,15 @@ class GrammarBenchReport:
         out = asdict(self)
         out["constrained_over_unconstrained"] = {c: round(self.ratio(c), 4)
                                                  for c in self.tokens_per_s["unconstrained"]}
+        out["ratio_implied_by_grammar_share"] = {c: round(1 - s, 4) for c, s in self.grammar_share.items()}
         return out
 
 
-def _run(engine: LLMEngine, prompt: list[int], concurrency: int, output_len: int, grammar: Any | None) -> float:
-    """c requests at once, each exactly output_len tokens; generated tokens per second of wall time."""
+def _run(engine: LLMEngine, prompt: list[int], concurrency: int, output_len: int, grammar: Any | None,
+         shares: list[float] | None = None) -> float:
+    """c requests at once, each exactly output_len tokens; generated tokens per second of wall time (and, into
+    shares, the fraction of it spent in grammar work)."""
+    grammar_before = ENGINE_TIME.seconds
     for i in range(concurrency):
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=grammar is None)
         engine.add_request(GenerationRequest(f"r{i}", prompt, params, grammar=grammar))
@@ -65,7 +72,10 @@ def _run(engine: LLMEngine, prompt: list[int], concurrency: int, output_len: int
             generated += len(out.new_token_ids)
             if out.finished and grammar is not None and out.finish_reason != "length":
                 raise RuntimeError(f"a constrained request ended early ({out.finish_reason}); raise MIN_ITEMS")
-    return generated / (time.perf_counter() - started)
+    wall = time.perf_counter() - started
+    if shares is not None:
+        shares.append((ENGINE_TIME.seconds - grammar_before) / wall)
+    return generated / wall
 
 
 def run_grammar_benchmark(model_dir: Path, concurrencies: list[int], output_len: int = 128, threads: int = 1,
@@ -96,8 +106,10 @@ def run_grammar_benchmark(model_dir: Path, concurrencies: list[int], output_len:
             _run(engine, prompt, c, 8, None)  # this batch size's first steps (allocations) count for neither
             _run(engine, prompt, c, 8, grammar)
             sides = [("unconstrained", None), ("constrained", grammar)]
+            shares: list[float] = []
             for r in range(repeats):  # interleaved, alternating who goes first: a shared machine's drifts hit both
                 for mode, g in sides if r % 2 == 0 else sides[::-1]:
-                    rate = _run(engine, prompt, c, output_len, g)
+                    rate = _run(engine, prompt, c, output_len, g, shares if g is not None else None)
                     report.tokens_per_s[mode][c] = round(max(rate, report.tokens_per_s[mode].get(c, 0.0)), 2)
+            report.grammar_share[c] = round(min(shares), 4)
     return report

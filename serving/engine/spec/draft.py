@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from serving.engine.batch import SequenceInput, build_forward_batch
+from serving.engine.grammar import apply_grammar_masks
 from serving.engine.kv_cache import BlockManager, KVCache
 from serving.engine.loader import load_model, read_model_args
 from serving.engine.model import ModelArgs, Transformer
@@ -118,6 +119,7 @@ class DraftModelProposer:
         if not active:
             return drafts
         probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in active}
+        walked: dict[str, int] = {}  # grammar requests: drafts their matcher accepted (rolled back at the end)
 
         # first forward: catch up on the tokens the draft has not seen, draft one token from the last
         seqs = []
@@ -127,7 +129,7 @@ class DraftModelProposer:
             seqs.append(SequenceInput(tokens, start, self.blocks.block_table(req.request_id), [len(tokens) - 1]))
             self.computed[req.request_id] = req.num_tokens
             self.catch_up_tokens_total += len(tokens)
-        self._draft_step(active, seqs, drafts, probs)
+        self._draft_step(active, seqs, drafts, probs, walked)
         for req in active:  # blocks now full of the sequence's own tokens become reusable by content
             self.blocks.commit(req.request_id, req.all_token_ids, req.num_tokens)
 
@@ -137,18 +139,27 @@ class DraftModelProposer:
                                   self.blocks.block_table(r.request_id), [0]) for r in step]
             for r in step:
                 self.computed[r.request_id] = r.num_tokens + j
-            self._draft_step(step, seqs, drafts, probs)
+            self._draft_step(step, seqs, drafts, probs, walked)
 
+        for req in active:
+            if req.grammar is not None:
+                n = walked.get(req.request_id, 0)
+                req.grammar.rollback(n if n >= 0 else -n - 1)
         for req_id, rows in probs.items():
             if rows:
                 drafts.probs[req_id] = torch.stack(rows)
         return drafts
 
     def _draft_step(self, reqs: list[Request], seqs: list[SequenceInput], drafts: Proposals,
-                    probs: dict[str, list[torch.Tensor]]) -> None:
+                    probs: dict[str, list[torch.Tensor]], walked: dict[str, int]) -> None:
         started = time.perf_counter()
         batch = build_forward_batch(seqs, self.block_size, self.model.args.n_rep, self.device, self.dtype)
         logits = self.model.compute_logits(self.model(batch, self.cache), batch.logits_index)  # [n, V]
+        grammars = [r.grammar if walked.get(r.request_id, 0) >= 0 else None for r in reqs]
+        if any(g is not None for g in grammars):
+            # the draft follows the grammar too (its q is the masked distribution, so verification stays
+            # lossless), or most of what it proposes would be cut (grammar.admissible_drafts)
+            logits = apply_grammar_masks(logits, grammars)
         if all(r.params.greedy for r in reqs):
             tokens = logits.argmax(dim=-1).tolist()
         else:
@@ -162,4 +173,7 @@ class DraftModelProposer:
                     probs[r.request_id].append(q[i])
         for r, t in zip(reqs, tokens, strict=True):
             drafts.tokens.setdefault(r.request_id, []).append(int(t))
+            n = walked.get(r.request_id, 0)
+            if r.grammar is not None and n >= 0:  # -(accepted + 1) once the matcher refuses: stop walking
+                walked[r.request_id] = n + 1 if r.grammar.accept(int(t)) else -(n + 1)
         drafts.forward_seconds.append((batch.num_tokens, time.perf_counter() - started))

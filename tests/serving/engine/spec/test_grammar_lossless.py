@@ -139,3 +139,19 @@ def test_verify_rows_must_be_masked_after_the_drafts_before_them(
     target, draft = pair
     with pytest.raises(AssertionError):
         sample_marginals(kit, target, draft, SamplingParams(temperature=1.0), 300)
+
+
+def test_unmasked_sampled_drafts_cut_after_their_first_rejected_token_stay_lossless(
+    kit: Any, pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The draft model follows the grammar too; without that, its ungrammatical drafts are kept up to the first
+    rejected one (rejected by the masked target for certain) and the output is still exactly distributed."""
+    from serving.engine.spec import draft as draft_module
+
+    monkeypatch.setattr(draft_module, "apply_grammar_masks", lambda logits, grammars: logits)
+    target, draft = pair
+    params = SamplingParams(temperature=1.0)
+    p2, p3 = exact_marginals(target, params)
+    counts = sample_marginals(kit, target, draft, params, 1500)
+    assert chi_square(counts[0], p2) < CHI2_CRITICAL_DF7
+    assert chi_square(counts[1], p3) < CHI2_CRITICAL_DF7
