@@ -115,3 +115,19 @@ def test_shards_summed_in_lockstep_match_the_whole_model(kit, request: pytest.Fi
     assert shard_args(whole.model.args, tp).intermediate_size == 96 // tp
     got = lockstep_logits(shards, prompts)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_int8_shards_stay_as_close_to_fp32_as_one_int8_model(kit, gqa_llama: Path) -> None:
+    # each rank quantizes its own slice per output channel: not bit-equal to one int8 model, but as accurate
+    prompts = kit.random_prompts([7, 20, 33])
+
+    def load(quantization: str, rank: int = 0, tp: int = 1) -> Transformer:
+        return load_model(gqa_llama, torch.float32, torch.device("cpu"), 512, quantization,  # type: ignore[arg-type]
+                          shard=(rank, tp))
+
+    reference = lockstep_logits([load("none")], prompts)
+    one_error = (lockstep_logits([load("int8")], prompts) - reference).abs().max().item()
+    sharded = lockstep_logits([load("int8", rank, 2) for rank in range(2)], prompts)
+    sharded_error = (sharded - reference).abs().max().item()
+    assert 0 < sharded_error <= 2 * one_error, (sharded_error, one_error)

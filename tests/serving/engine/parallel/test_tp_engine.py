@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from serving.engine.engine import LLMEngine
-from serving.engine.types import EngineDeadError, SamplingParams
+from serving.engine.types import EngineDeadError, GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -95,3 +95,24 @@ def test_a_rank_lost_while_idle_makes_the_engine_unhealthy_without_a_request(kit
     error, pids = asyncio.run(scenario())
     assert isinstance(error, EngineDeadError) and "tensor-parallel rank 1" in str(error), error
     assert running(pids) == []
+
+
+def test_a_hung_rank_times_out_the_collective_and_kills_the_engine(kit, models: dict[str, Path]) -> None:
+    engine = kit.make_engine(models["llama"], tensor_parallel_size=2, collective_timeout_s=3)
+    pids = engine.tp_group.worker_pids
+    try:
+        os.kill(pids[0], signal.SIGSTOP)  # alive but never answers: only the collective's timeout can tell
+        engine.add_request(kit_request(kit))
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError, match="all-reduce failed"):
+            engine.step()
+        assert time.monotonic() - started < 30
+        with pytest.raises(EngineDeadError):  # a broken group never runs another step
+            engine.step()
+    finally:
+        engine.close()
+    assert running(pids) == []
+
+
+def kit_request(kit) -> GenerationRequest:
+    return GenerationRequest("hung", kit.random_prompts([9])[0], SamplingParams(temperature=0.0, max_tokens=4))
