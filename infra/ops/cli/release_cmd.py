@@ -1,4 +1,4 @@
-"""`specdeploy rollout` and `specdeploy rollback`: blue/green traffic with gates, and the way back.
+"""`specdeploy rollout`, `rollback` and `unlock`: blue/green traffic with gates, the way back, the lock.
 
 The machinery lives in ``infra.ops.release``; this module parses options, connects it
 to the stack's platform (ALB + CloudWatch on aws, ingress-nginx or a Gateway API HTTPRoute +
@@ -20,8 +20,10 @@ from infra.ops.cli.main import CommandError
 
 if TYPE_CHECKING:
     from infra.config import StackFile
+    from infra.ops.release.audit import AuditSink
     from infra.ops.release.aws import CloudWatchAlarms
     from infra.ops.release.gates import GateWatcher, SlotMetrics
+    from infra.ops.release.lock import Holder, LockBackend
     from infra.ops.release.rollout import Outcome, Release
     from infra.ops.release.targets import TargetOptions
     from infra.ops.release.traffic import AlarmSource
@@ -86,6 +88,19 @@ def register(subparsers: Any) -> None:
     _add_target_options(record)
     record.set_defaults(func=_record, command="release record")
 
+    unlock = subparsers.add_parser(
+        "unlock", help="show who holds a stack's release lock; with --force, break it (audited)",
+        description="Show who holds the stack's release lock (the S3 object in the model bucket on aws, the "
+                    "Lease specdeploy-release on kubernetes) and until when. With --force, remove it: for a "
+                    "holder that crashed or lost its network. A live holder notices at its next step and "
+                    "stops before moving traffic. The break is written to the audit trail.",
+    )
+    unlock.add_argument("--stack", required=True, help="stack name, e.g. prod")
+    unlock.add_argument("--force", action="store_true", help="break the lock, whoever holds it")
+    unlock.add_argument("--reason", default="", help="why, recorded in the audit trail")
+    _add_target_options(unlock)
+    unlock.set_defaults(func=_unlock)
+
 
 def _add_target_options(parser: argparse.ArgumentParser) -> None:
     aws = parser.add_argument_group("aws (default: the stack's outputs when a Pulumi CLI is installed)")
@@ -101,6 +116,11 @@ def _add_target_options(parser: argparse.ArgumentParser) -> None:
     k8s.add_argument("--kubeconfig", help="kubeconfig file (default $KUBECONFIG, ~/.kube/config, or in-cluster)")
     k8s.add_argument("--context", dest="kube_context", help="kubeconfig context (default: current)")
     k8s.add_argument("--prometheus-url", help="Prometheus whose alerts gate the rollout ($SPECDEPLOY_PROMETHEUS_URL)")
+    lock = parser.add_argument_group("release lock and audit trail")
+    lock.add_argument("--lock-bucket", help="aws: bucket of the lock and audit objects (default $SPECDEPLOY_RELEASE_"
+                                            "BUCKET, else the stack's model bucket)")
+    lock.add_argument("--lock-lease", default="2m", help="lease of the lock, renewed every third of it while the "
+                                                         "command runs; a crashed holder frees it after (default 2m)")
     parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
                         help="rollout state and JSON-lines step log (default .specdeploy/release)")
     parser.add_argument("--stacks-dir", type=Path, help=argparse.SUPPRESS)
@@ -277,6 +297,7 @@ def _options(args: argparse.Namespace) -> TargetOptions:
         kubeconfig=args.kubeconfig,
         kube_context=args.kube_context,
         prometheus_url=args.prometheus_url,
+        lock_bucket=args.lock_bucket,
     )
 
 
@@ -293,7 +314,9 @@ def _connect(stack: StackFile, options: TargetOptions, args: argparse.Namespace,
         raise ReleaseError(f"stack {stack.name} is platform local: one server, no blue/green slots to shift between")
     env = targets.environ()
     outputs = targets.stack_outputs(stack.name)
-    log = StepLog(args.state_dir / f"{stack.name}.jsonl", stack.name)
+    backend, audit, api = _coordination(stack, options, outputs, env)
+    holder = _holder(args, stack.name)
+    log = StepLog(args.state_dir / f"{stack.name}.jsonl", stack.name, audit, by=f"{holder.holder} pid {holder.pid}")
     alarms: AlarmSource | None = None
     alarm_actions: CloudWatchAlarms | None = None
     if platform == "aws":
@@ -314,8 +337,6 @@ def _connect(stack: StackFile, options: TargetOptions, args: argparse.Namespace,
 
         spec = stack.config.kubernetes
         namespace = options.namespace or outputs.get(targets.OUT_NAMESPACE) or (spec.namespace if spec else None)
-        api = kubernetes.KubeApi.from_environment(Path(options.kubeconfig) if options.kubeconfig else None,
-                                                  options.kube_context)
         router = kubernetes.router_for(spec.routing if spec else "ingress-nginx", api, str(namespace))
         prometheus = options.prometheus_url or env.get(targets.ENV_PROMETHEUS_URL)
         if with_alarms and prometheus:
@@ -330,10 +351,98 @@ def _connect(stack: StackFile, options: TargetOptions, args: argparse.Namespace,
             _say("warning: no --prometheus-url: the stack's alerts are not watched, only the slot's metrics")
     if alarms is not None:
         log.write("alarms", watched=alarms.watched())
-    release = Release(stack, router, StateStore(args.state_dir, stack.name), log, say=_say,
+    from infra.ops.release.lock import SharedLock
+
+    shared = SharedLock(backend, holder, log.write)
+    release = Release(stack, router, StateStore(args.state_dir, stack.name, shared), log, say=_say,
                       alarm_actions=alarm_actions)
     endpoints = targets.slot_endpoints(slot, options, env, outputs) if slot else []
+    if slot and not endpoints and platform == "kubernetes" and stack.config.slots.gate_cidrs:
+        # The NetworkPolicy admits release.gate_cidrs to the pods' server port: gate on their addresses.
+        endpoints = router.pod_endpoints(slot, stack.config.service.port)
+        log.write("gate_path", slot=slot, endpoints=endpoints, via="pod addresses (NetworkPolicy gate rule)")
     return release, alarms, endpoints
+
+
+def _coordination(stack: StackFile, options: TargetOptions, outputs: dict[str, Any],
+                  env: Any) -> tuple[LockBackend, AuditSink, Any]:
+    """The stack's shared lock and audit trail: S3 objects in its bucket, or a Lease and ConfigMap in its
+    namespace; and the Kubernetes API client (None on aws)."""
+    from infra.ops.release import audit, lock
+    from infra.ops.release.model import ReleaseError
+
+    if stack.config.platform == "aws":
+        from infra.ops.release import aws
+
+        bucket = options.lock_bucket or env.get("SPECDEPLOY_RELEASE_BUCKET") or outputs.get("model_bucket") \
+            or _s3_bucket(stack.config.model.source)
+        if not bucket:
+            raise ReleaseError(f"no bucket for the release lock of {stack.name}: its model is not in S3; "
+                               "pass --lock-bucket or set SPECDEPLOY_RELEASE_BUCKET")
+        s3 = aws.client("s3", options.region or stack.providers.get("aws:region"))
+        return lock.S3Lock(s3, str(bucket), stack.name), audit.S3Audit(s3, str(bucket), stack.name), None
+    from infra.ops.release import kubernetes
+
+    spec = stack.config.kubernetes
+    namespace = str(options.namespace or outputs.get("namespace") or (spec.namespace if spec else "default"))
+    api = kubernetes.KubeApi.from_environment(Path(options.kubeconfig) if options.kubeconfig else None,
+                                              options.kube_context)
+    return lock.KubeLease(api, namespace), audit.ConfigMapAudit(api, namespace), api
+
+
+def _s3_bucket(uri: str) -> str | None:
+    if not uri.startswith("s3://"):
+        return None
+    return uri.removeprefix("s3://").split("/", 1)[0] or None
+
+
+def _holder(args: argparse.Namespace, stack: str) -> Holder:
+    from infra.ops.release.lock import me
+    from infra.ops.release.model import parse_duration
+
+    command = f"specdeploy {args.command} --stack {stack}" + (f" --to {args.to}" if getattr(args, "to", None) else "")
+    return me(command, parse_duration(args.lock_lease))
+
+
+def _unlock(args: argparse.Namespace) -> int:
+    """0 when the lock is free (or was broken with --force), 1 when it is held and --force was not given."""
+    from infra.ops.release import lock, targets
+    from infra.ops.release.model import ReleaseError
+    from infra.ops.release.state import StepLog
+
+    try:
+        stack = _load(args)
+        if stack.config.platform == "local":
+            raise ReleaseError(f"stack {stack.name} is platform local: its only lock is the flock under "
+                               f"{args.state_dir}")
+        backend, audit, _ = _coordination(stack, _options(args), targets.stack_outputs(stack.name),
+                                          targets.environ())
+        current = backend.read()
+        if current is None:
+            _say(f"{backend.where}: free")
+            return 0
+        holder = current[0]
+        state = "expired" if holder.expired() else "live"
+        _say(f"{backend.where}: held by {holder.describe()} ({state})")
+        if not args.force:
+            _say(f"break it (audited) with: specdeploy unlock --stack {stack.name} --force --reason '...'")
+            return 1
+        me = _holder(args, stack.name)
+        log = StepLog(args.state_dir / f"{stack.name}.jsonl", stack.name, audit, by=f"{me.holder} pid {me.pid}")
+        try:
+            broken = lock.break_lock(backend, me, log.write, args.reason or "unlock --force")
+        except lock.Conflict:
+            raise ReleaseError(f"{backend.where} changed while it was being broken (renewed or released); "
+                               "nothing removed: run unlock again to see who holds it now") from None
+    except ReleaseError as exc:
+        raise CommandError(str(exc)) from None
+    except _cloud_errors() as exc:
+        raise CommandError(f"AWS API: {exc}") from None
+    if broken is not None:
+        _say(f"broke the lock of {broken.describe()}; recorded in {audit.where}")
+        if not broken.expired():
+            _say("its lease was live: that process stops before its next traffic step")
+    return 0
 
 
 def _cloudwatch_alarms(stack: StackFile, options: TargetOptions, outputs: dict[str, Any], env: Any,

@@ -87,6 +87,14 @@ def _annotations(obj: Mapping[str, Any]) -> Mapping[str, str]:
 
 # --- the API server -----------------------------------------------------------------------------
 
+class KubeApiError(ReleaseError):
+    """An HTTP error answer of the API server; ``status`` lets callers tell 404 and 409 apart."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class KubeApi:
     """Just enough of the Kubernetes REST API: GET and PATCH JSON, bearer or client-cert auth."""
 
@@ -151,7 +159,7 @@ class KubeApi:
                 payload = response.read()
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:300]
-            raise ReleaseError(f"Kubernetes API {method} {path}: HTTP {exc.code}: {detail}") from None
+            raise KubeApiError(f"Kubernetes API {method} {path}: HTTP {exc.code}: {detail}", exc.code) from None
         except OSError as exc:
             raise ReleaseError(f"Kubernetes API {self.server} unreachable: {exc}") from None
         result: dict[str, Any] = json.loads(payload) if payload else {}
@@ -218,6 +226,19 @@ class _SlotRouter:
         pods = self.api.get(f"/api/v1/namespaces/{self.namespace}/pods", labelSelector=selector).get("items", [])
         return [f"/api/v1/namespaces/{self.namespace}/pods/{pod['metadata']['name']}:{port}/proxy"
                 for pod in pods if pod.get("status", {}).get("phase") == "Running"]
+
+    def pod_endpoints(self, slot: str, port: int) -> list[str]:
+        """``http://<pod IP>:<port>`` of the slot's running, ready pods: the gate path the NetworkPolicy admits
+        from ``release.gate_cidrs`` (the API server's pod proxy is not admitted)."""
+        selector = ",".join(f"{k}={v}" for k, v in server_selector(slot).items())
+        pods = self.api.get(f"/api/v1/namespaces/{self.namespace}/pods", labelSelector=selector).get("items", [])
+        endpoints = []
+        for pod in pods:
+            status = pod.get("status", {})
+            ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions", []))
+            if status.get("phase") == "Running" and ready and status.get("podIP"):
+                endpoints.append(f"http://{status['podIP']}:{port}")
+        return endpoints
 
     def slot_status(self, slot: str) -> SlotStatus:
         name = slot_object_name(slot)

@@ -172,6 +172,7 @@ def _rollout(release: Release, to: str, steps: Sequence[int], observe_s: float, 
         if weight <= state.completed_weight:
             continue
         weights = weights_to(target, weight)
+        release.store.check_lock()  # a broken or taken-over lock stops the rollout before it moves traffic
         _route(release, weights)
         state.current_weight = weight
         release.store.save(state)

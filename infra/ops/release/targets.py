@@ -48,6 +48,7 @@ class TargetOptions:
     kubeconfig: str | None = None
     kube_context: str | None = None
     prometheus_url: str | None = None
+    lock_bucket: str | None = None  # aws: bucket of the release lock and audit trail
 
 
 def stack_outputs(stack: str) -> dict[str, Any]:

@@ -24,6 +24,7 @@ GREEN = {
     # prod speculates with a draft model, so every slot names its draft (the stack schema checks it)
     "draft_version": "s3://acme-specdeploy-models-prod/llama-3.2-1b-instruct/2026-12-02",
 }
+MODEL_BUCKET = "acme-specdeploy-models-prod"  # stacks/Pulumi.prod.yaml's model bucket
 ALARM_PREFIX = "prod-"  # the alerting component names alarms <stack>-<slot>-<RuleName>
 RUNBOOKS = "https://example.com/runbooks"
 
@@ -128,6 +129,7 @@ def aws_world(moto_endpoint: str) -> Iterator[AwsRelease]:
                     ComparisonOperator="GreaterThanThreshold", AlarmDescription=rule.description(RUNBOOKS),
                     ActionsEnabled=slot == "blue", AlarmActions=["arn:aws:sns:us-east-1:123456789012:pager"])
                 names.append(name)
+        boto3.client("s3").create_bucket(Bucket=MODEL_BUCKET)  # the release lock and audit trail live there
         world = AwsRelease(listener, groups, names)
 
         def record(event_name: str, **_: Any) -> None:

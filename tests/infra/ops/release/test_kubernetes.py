@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -125,6 +126,7 @@ class FakeApiServer:
     firing: list[str] = field(default_factory=list)  # alert names Prometheus reports firing ...
     firing_after_patches: int = 0  # ... once this many routing changes happened
     pod_metrics: SlotServer | None = None  # what green's pods answer on /metrics through the API proxy
+    mutex: threading.Lock = field(default_factory=threading.Lock)  # one write at a time, as etcd orders them
 
     def patches(self) -> list[str]:
         return [path for method, path in self.calls if method == "PATCH"]
@@ -207,6 +209,44 @@ def serve_objects(rendered: list[dict[str, Any]]) -> Iterator[FakeApiServer]:
             fake.objects[self.path] = merge_patch(fake.objects[self.path], body)
             fake.objects[self.path]["metadata"]["resourceVersion"] = str(int(current) + 1)
             return self._reply(200, fake.objects[self.path])
+
+        def _body(self) -> dict[str, Any]:
+            return dict(json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}"))
+
+        def do_POST(self) -> None:  # noqa: N802 (create: 409 AlreadyExists when the name is taken)
+            fake.calls.append(("POST", self.path))
+            body = self._body()
+            path = f"{self.path}/{body['metadata']['name']}"
+            with fake.mutex:
+                if path in fake.objects:
+                    return self._reply(409, {"kind": "Status", "reason": "AlreadyExists"})
+                body["metadata"]["resourceVersion"] = "1"
+                fake.objects[path] = body
+            return self._reply(201, body)
+
+        def do_PUT(self) -> None:  # noqa: N802 (replace: 409 Conflict unless resourceVersion is the current one)
+            fake.calls.append(("PUT", self.path))
+            body = self._body()
+            with fake.mutex:
+                if self.path not in fake.objects:
+                    return self._reply(404, {"kind": "Status", "reason": "NotFound"})
+                current = fake.objects[self.path]["metadata"]["resourceVersion"]
+                if body.get("metadata", {}).get("resourceVersion") != current:
+                    return self._reply(409, {"kind": "Status", "reason": "Conflict"})
+                body["metadata"]["resourceVersion"] = str(int(current) + 1)
+                fake.objects[self.path] = body
+            return self._reply(200, body)
+
+        def do_DELETE(self) -> None:  # noqa: N802 (preconditions.resourceVersion as the API server checks it)
+            fake.calls.append(("DELETE", self.path))
+            wanted = self._body().get("preconditions", {}).get("resourceVersion")
+            with fake.mutex:
+                if self.path not in fake.objects:
+                    return self._reply(404, {"kind": "Status", "reason": "NotFound"})
+                if wanted is not None and wanted != fake.objects[self.path]["metadata"]["resourceVersion"]:
+                    return self._reply(409, {"kind": "Status", "reason": "Conflict"})
+                del fake.objects[self.path]
+            return self._reply(200, {"kind": "Status", "status": "Success"})
 
         def log_message(self, *args: Any) -> None:
             pass

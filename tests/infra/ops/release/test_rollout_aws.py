@@ -101,7 +101,8 @@ def test_full_rollout_shifts_10_50_100_and_updates_the_stack_file(
     assert "git add" in out and "Pulumi.prod.yaml" in out
     # Every step is logged as one JSON line.
     kinds = [e["event"] for e in events(prod_copy)]
-    assert kinds[0] == "alarms" and "start" in kinds and kinds[-1] == "done"
+    assert kinds[0] == "alarms" and "start" in kinds and kinds[-2:] == ["done", "lock_released"]
+    assert kinds.index("lock_acquired") < kinds.index("start")  # the shared lock brackets the release
     assert kinds.count("step_ok") == 3
     checks = [e for e in events(prod_copy) if e["event"] == "gate_check"]
     assert checks and all(c["ok"] for c in checks)
@@ -179,7 +180,8 @@ def test_rollback_flips_all_traffic_in_one_api_call(aws_release: AwsRelease, pro
     before = (prod_copy / "Pulumi.prod.yaml").read_text()
     assert rollback(aws_release, prod_copy) == 0
     assert aws_release.count("ModifyListener") == 1
-    mutating = [c for c in aws_release.calls if not c.split(".")[-1].startswith("Describe")]
+    mutating = [c for c in aws_release.calls if not c.split(".")[-1].startswith("Describe")
+                and not c.startswith("s3.")]  # S3: the release lock and audit trail
     # The listener, then paging follows the traffic: nothing else (no pulumi up, no stack file).
     assert mutating == ["elastic-load-balancing-v2.ModifyListener", "cloudwatch.EnableAlarmActions",
                         "cloudwatch.DisableAlarmActions"]
