@@ -11,6 +11,7 @@ Attention runs per *group*: sequences whose query lengths are alike share one pa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -41,6 +42,9 @@ class AttentionGroup:
     block_tables: torch.Tensor  # [G, max_blocks] cache blocks to read (padding blocks are masked out)
     key_len: int  # keys read per sequence: the group's longest context
     mask: torch.Tensor | None  # [G, 1, n_rep * max_q, key_len] additive (0 or -inf); None = attend to all
+    q_start: torch.Tensor | None = None  # [G] position of each sequence's first query row (the paged path's mask)
+    seq_lens: torch.Tensor | None = None  # [G] context length of each sequence after this step (ditto)
+    block_mask: Any = None  # the paged path's FlexAttention BlockMask: built by the first layer, shared by all
 
 
 @dataclass
@@ -193,6 +197,8 @@ class ForwardBatchBuilder:
             block_tables=tables[sl, : -(-key_len // self.block_size)].to(self.device),
             key_len=key_len,
             mask=mask,
+            q_start=start_t[sl].to(self.device),
+            seq_lens=(start_t[sl] + q_t[sl]).to(self.device),
         )
 
 

@@ -56,6 +56,10 @@ class KVCache:
         self._k_slots[layer].index_copy_(0, slots, k)
         self._v_slots[layer].index_copy_(0, slots, v)
 
+    def layer_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer in place: [num_blocks, block_size, Hkv, D] each (the paged attention path)."""
+        return self._k_blocks[layer], self._v_blocks[layer]
+
     def gather(
         self, layer: int, block_tables: torch.Tensor, key_len: int
     ) -> tuple[torch.Tensor, torch.Tensor]:

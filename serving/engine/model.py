@@ -120,6 +120,9 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(args.dim, qkv_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
         self.scale = args.head_dim**-0.5
+        # FlexAttention straight from the paged cache (serving.engine.paged_attention) instead of gather + SDPA;
+        # Transformer.set_paged_attention turns it on (the engine does on CUDA)
+        self.paged = False
 
     def forward(
         self,
@@ -153,24 +156,42 @@ class Attention(nn.Module):
         return out
 
     def attend_group(self, q: torch.Tensor, group: AttentionGroup, cache: KVCache, layer: int) -> torch.Tensor:
-        """Padded SDPA for one group; returns [group tokens, Hq * D]."""
-        g, max_q, hkv, d = group.num_seqs, group.max_q, self.n_kv_heads, self.head_dim
+        """Padded attention for one group; returns [group tokens, Hq * D]."""
+        g, max_q, d = group.num_seqs, group.max_q, self.head_dim
         if group.uniform:
             q_pad = q[group.token_start : group.token_end]  # [G * max_q, Hq, D]
         else:
             assert group.query_index is not None
             q_pad = q.index_select(0, group.query_index)
+        if self.paged:
+            o = self.attend_paged(q_pad.view(g, max_q, self.n_heads, d).transpose(1, 2), group, cache, layer)
+        else:
+            o = self.attend_gathered(q_pad, group, cache, layer)
+        if not group.uniform:
+            assert group.valid_index is not None
+            o = o.index_select(0, group.valid_index)
+        return o
+
+    def attend_gathered(self, q_pad: torch.Tensor, group: AttentionGroup, cache: KVCache, layer: int) -> torch.Tensor:
+        """Gather the group's context into [G, Hkv, K, D] and run SDPA: [G * max_q, Hq, D] -> [G * max_q, Hq * D]."""
+        g, max_q, hkv, d = group.num_seqs, group.max_q, self.n_kv_heads, self.head_dim
         # GQA without repeating K/V: the n_rep query heads of a KV head become extra query rows
         q_pad = q_pad.view(g, max_q, hkv, self.n_rep, d).permute(0, 2, 3, 1, 4)  # [G, Hkv, n_rep, max_q, D]
         q_pad = q_pad.reshape(g, hkv, self.n_rep * max_q, d)
         k_ctx, v_ctx = cache.gather(layer, group.block_tables, group.key_len)  # [G, Hkv, K, D]
         o = F.scaled_dot_product_attention(q_pad, k_ctx, v_ctx, attn_mask=group.mask, scale=self.scale)
         o = o.view(g, hkv, self.n_rep, max_q, d).permute(0, 3, 1, 2, 4)  # [G, max_q, Hkv, n_rep, D]
-        o = o.reshape(g * max_q, hkv * self.n_rep * d)
-        if not group.uniform:
-            assert group.valid_index is not None
-            o = o.index_select(0, group.valid_index)
-        return o
+        return o.reshape(g * max_q, hkv * self.n_rep * d)
+
+    def attend_paged(self, q_pad: torch.Tensor, group: AttentionGroup, cache: KVCache, layer: int) -> torch.Tensor:
+        """FlexAttention over the cache blocks in place: [G, Hq, max_q, D] -> [G * max_q, Hq * D]."""
+        from serving.engine.paged_attention import paged_attention, paged_block_mask
+
+        if group.block_mask is None:  # once per step: every layer reads the same blocks
+            group.block_mask = paged_block_mask(group, cache.num_blocks, cache.block_size)
+        k_blocks, v_blocks = cache.layer_blocks(layer)
+        o = paged_attention(q_pad, k_blocks, v_blocks, group.block_mask, self.scale)  # [G, Hq, max_q, D]
+        return o.transpose(1, 2).reshape(group.num_seqs * group.max_q, self.n_heads * self.head_dim)
 
 
 class FeedForward(nn.Module):
@@ -228,6 +249,12 @@ class Transformer(nn.Module):
         self.rope_cos = torch.empty(0)  # [max_model_len, D] fp32, indexed by position
         self.rope_sin = torch.empty(0)
         self.build_rope(None)
+
+    def set_paged_attention(self, on: bool) -> None:
+        """Attend from the paged cache in place (FlexAttention, serving.engine.paged_attention), not gather + SDPA."""
+        for layer in self.layers:
+            assert isinstance(layer, TransformerBlock)
+            layer.attention.paged = on
 
     @property
     def dtype(self) -> torch.dtype:
