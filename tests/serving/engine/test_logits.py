@@ -83,3 +83,19 @@ def test_engine_refuses_a_logit_bias_outside_the_vocabulary(kit: Any, llama_dir:
     engine = kit.make_engine(llama_dir)
     with pytest.raises(RequestRejected, match="logit_bias"):
         engine.add_request(GenerationRequest("x", [1, 2], SamplingParams(logit_bias={10**6: 1.0})))
+
+
+def test_speculation_keeps_greedy_output_with_penalties_and_bias(kit: Any, llama_dir: Path) -> None:
+    """Greedy output with penalties and a logit bias is the same with n-gram drafts (accepted ones) as without.
+    (The sampled case, where a verify that does not count the drafts is caught, is the chi-square test.)"""
+    from serving.engine.config import SpeculativeConfig
+
+    prompts = [p + p + p for p in kit.random_prompts([6, 9, 5], seed=21)]  # repetitive: n-gram drafts exist
+    # negative penalties reward repeating what was generated: the output loops, so drafts are accepted
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, frequency_penalty=-1.0,
+                             presence_penalty=-2.0, logit_bias={p[0]: 3.0}) for p in prompts]
+    plain = kit.run_to_completion(kit.make_engine(llama_dir), prompts, params)
+    engine = kit.make_engine(llama_dir, speculative=SpeculativeConfig(enabled=True, method="ngram",
+                                                                      num_draft_tokens=4, adaptive=False))
+    assert kit.run_to_completion(engine, prompts, params) == plain
+    assert engine.stats().spec.num_accepted_tokens > 10
