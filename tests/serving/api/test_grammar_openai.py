@@ -112,3 +112,10 @@ def test_tool_choice_naming_an_unknown_function_is_a_400(client: openai.OpenAI) 
         client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
                                        tools=[WEATHER_TOOL],
                                        tool_choice={"type": "function", "function": {"name": "launch"}})
+
+
+def test_every_choice_of_n_follows_the_schema(client: openai.OpenAI) -> None:
+    completion = parse(client)(model=MODEL_NAME, messages=[{"role": "user", "content": "Two forecasts"}],
+                               response_format=Forecast, max_tokens=200, temperature=1.0, n=3, seed=5)
+    assert len(completion.choices) == 3
+    assert all(isinstance(c.message.parsed, Forecast) for c in completion.choices)
