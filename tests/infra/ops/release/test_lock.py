@@ -114,9 +114,9 @@ def test_expired_lease_is_taken_over_and_the_old_holder_loses_it(backend: LockBa
 
 
 def test_renewal_keeps_a_short_lease_alive_while_held(backend: LockBackend) -> None:
-    lock = SharedLock(backend, holder("alice@laptop", lease_s=0.6), Recorder())
+    lock = SharedLock(backend, holder("alice@laptop", lease_s=1.2), Recorder())
     with lock.held():
-        time.sleep(1.5)  # 2.5 leases: without renewal it would have expired
+        time.sleep(2.5)  # two leases: without renewal (every 0.4 s) it would have expired
         with pytest.raises(LockHeld):
             SharedLock(backend, holder("ci@runner"), Recorder()).acquire()
         current = backend.read()
@@ -246,6 +246,8 @@ def test_store_stops_a_rollout_whose_lock_was_broken(s3: Any, tmp_path: Path) ->
     with store.exclusive():
         store.check_lock()
         break_lock(backend, holder("bob@desk"), Recorder(), "test")
-        time.sleep(0.5)  # the renewal (every 0.2 s) finds the lock gone
+        deadline = time.monotonic() + 15  # the renewal (every 0.2 s) finds the lock gone; slow on a busy machine
+        while store.shared is not None and not store.shared.lost and time.monotonic() < deadline:
+            time.sleep(0.05)
         with pytest.raises(ReleaseError, match="lost"):
             store.check_lock()
