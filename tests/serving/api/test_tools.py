@@ -85,3 +85,25 @@ def test_forced_tool_choice_becomes_a_tool_call_grammar() -> None:
 def test_bad_tool_fields_are_refused_naming_the_problem(fields: dict[str, object], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         body(**fields)
+
+
+def test_a_template_that_knows_tools_gets_them_and_the_calls_as_objects() -> None:
+    from transformers import AutoTokenizer
+
+    from serving.api.routes.chat import encode_chat
+    from serving.api.tools import chat_messages, template_tools
+    from serving.demo import tokenizer_path
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path()))
+    tokenizer.chat_template = ("{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}{% for m in messages %}"
+                               "{{ m.role }}: {{ m.content }}{% for c in m.tool_calls or [] %} CALL "
+                               "{{ c.function.arguments | tojson }}{% endfor %}\n{% endfor %}")
+    request = body(tools=TOOLS, messages=[
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18 C"}])
+    text = tokenizer.decode(encode_chat(tokenizer, chat_messages(request), template_tools(request)))
+    assert 'TOOLS [{"type": "function", "function": {"name": "get_weather"' in text
+    assert 'assistant:  CALL {"city": "Paris"}' in text  # arguments reach the template as an object
+    assert "tool: 18 C" in text and "<tool_response>" not in text  # no fallback for this template
