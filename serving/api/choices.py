@@ -30,12 +30,15 @@ class Choices:
     def __init__(self, runs: list[GenerationRun]) -> None:
         self.runs = runs
         self.request_id = runs[0].request.request_id
+        self._tasks: list[asyncio.Future[None]] = []  # one per started choice (n > 1)
 
     async def prime(self) -> None:
         """Wait for the first choice's first output (a stream's status code can still be an error)."""
         await self.runs[0].prime()
 
     async def close(self) -> None:
+        """The response is over or its client left: stop every choice (their engine requests are aborted)."""
+        await _cancel(self._tasks)
         for run in self.runs:
             await run.close()
 
@@ -69,32 +72,28 @@ class Choices:
                 async with contextlib.aclosing(self.runs[index].outputs()) as stream:
                     async for output in stream:
                         await queue.put((index, output))
-                        if index == 0 and not siblings:  # its prompt is in the prefix cache now
-                            siblings.extend(asyncio.ensure_future(pump(i)) for i in range(1, len(self.runs)))
+                        if index == 0 and len(self._tasks) == 1:  # its prompt is in the prefix cache now
+                            self._tasks.extend(asyncio.ensure_future(pump(i)) for i in range(1, len(self.runs)))
             except BaseException as exc:  # re-raised by the consumer, which cancels the other choices
                 await queue.put((index, exc))
                 return
             await queue.put((index, _DONE))
 
-        siblings: list[asyncio.Future[None]] = []
-        first = asyncio.ensure_future(pump(0))
+        self._tasks = [asyncio.ensure_future(pump(0))]
         remaining = len(self.runs)
         try:
             while remaining:
                 index, item = await queue.get()
                 if item is _DONE:
                     remaining -= 1
-                    if index == 0 and not siblings:  # ended without any output: the others never start
+                    if index == 0 and len(self._tasks) == 1:  # ended without any output: the others never start
                         remaining = 0
                 elif isinstance(item, BaseException):
                     raise item
                 else:
                     yield index, item
         finally:
-            for task in [first, *siblings]:
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
+            await _cancel(self._tasks)
 
     @property
     def usage(self) -> dict[str, int]:
@@ -102,6 +101,13 @@ class Choices:
         prompt = self.runs[0].prompt_tokens
         completion = sum(run.completion_tokens for run in self.runs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _cancel(tasks: list[asyncio.Future[None]]) -> None:
+    for task in tasks:
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
 
 
 def start_choices(request: Request, state: ServerState, engine: Engine, body: SamplingFields, prompt_ids: list[int],

@@ -3,10 +3,13 @@ harmless extras, through the official `openai` client (and the exact request lm-
 
 from __future__ import annotations
 
+import json
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import torch
@@ -181,3 +184,36 @@ def test_harmless_openai_extras_are_ignored(client: openai.OpenAI) -> None:
                     user="u-1", reasoning_effort="low", parallel_tool_calls=True,
                     extra_body={"modalities": ["text"], "prompt_cache_key": "k", "safety_identifier": "s"})
     assert response.choices[0].message.content is not None
+
+
+# ---- a client that leaves stops every choice ----------------------------------------------------------------
+
+
+def wait_until_idle(server: Any, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while server.metric("specdeploy_requests_running") > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_a_client_leaving_an_n3_request_frees_every_choice(server: Any, stream: bool) -> None:
+    idle = server.metric("specdeploy_kv_blocks_used")
+    generated = server.metric("specdeploy_generation_tokens_total")
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "n": 3, "max_tokens": 1000, "ignore_eos": True,
+            "temperature": 1.0, "stream": stream}
+    with server.client(timeout=None if stream else 0.5) as http:
+        if stream:
+            with http.stream("POST", "/v1/completions", json=body) as response:
+                seen: set[int] = set()
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        seen |= {c["index"] for c in json.loads(line[6:])["choices"]}
+                    if seen == {0, 1, 2}:
+                        break  # every choice is running; leaving the block closes the connection
+        else:
+            with pytest.raises(httpx.TimeoutException):
+                http.post("/v1/completions", json=body)
+    wait_until_idle(server)
+    assert server.metric("specdeploy_requests_running") == 0
+    assert server.metric("specdeploy_kv_blocks_used") == idle
+    assert server.metric("specdeploy_generation_tokens_total") - generated < 3 * 1000 / 2  # cut short
