@@ -232,8 +232,10 @@ class ReleaseSpec(StrictModel):
     green: SlotSpec | None = Field(None, description="The green slot (absent until a release).")
     gate_cidrs: list[str] | None = Field(
         None, max_length=4,
-        description="Where release gates run from (aws): each slot's gate listener on the load balancer admits "
-                    "these; default access.allowed_cidrs on an internal load balancer, none on a public one.",
+        description="Where release gates run from. aws: each slot's gate listener on the load balancer admits "
+                    "these (default access.allowed_cidrs on an internal load balancer, none on a public one); "
+                    "kubernetes: a NetworkPolicy rule admits them to the server port of the pods, whose "
+                    "addresses the gates then use (pod IPs routable from there, e.g. the EKS VPC CNI).",
     )
 
     @field_validator("gate_cidrs")

@@ -79,6 +79,7 @@ def build_kubernetes(config: StackConfig) -> KubernetesStack:
     guards = ServingGuards("specdeploy", ServingGuardsArgs(
         namespace=namespace.name, slots=sorted(slots), port=config.service.port,
         ingress_namespace=spec.ingress_namespace, prometheus_namespace=spec.prometheus_namespace,
+        gate_cidrs=list(config.slots.gate_cidrs or []),
     ))
     observability = ServingObservability("specdeploy", ServingObservabilityArgs(
         namespace=namespace.name, server_namespace=spec.namespace, rules=alert_rules(config),

@@ -1,15 +1,17 @@
 """Who may reach the server pods, and how many may be evicted at once.
 
 The NetworkPolicy admits traffic to the server port only from the ingress
-controller's namespace and from Prometheus' namespace; everything else in the
-cluster is refused. Egress stays open: the weight pull needs the object store,
-whose address (S3, MinIO, a VPC endpoint) a policy cannot know in advance.
+controller's namespace, from Prometheus' namespace and, when ``release.gate_cidrs``
+is set, from those networks (the release gates reach each slot's pods directly: the
+API server's pod proxy is not admitted); everything else in the cluster is refused.
+Egress stays open: the weight pull needs the object store, whose address (S3,
+MinIO, a VPC endpoint) a policy cannot know in advance.
 A PodDisruptionBudget per slot lets node drains take one pod at a time.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pulumi
 import pulumi_kubernetes as k8s
@@ -30,6 +32,7 @@ class ServingGuardsArgs:
     port: int  # the server port (service.port), the only one admitted
     ingress_namespace: str  # where the ingress controller or gateway proxy pods run
     prometheus_namespace: str  # where Prometheus scrapes from
+    gate_cidrs: list[str] = field(default_factory=list)  # release.gate_cidrs: where rollout gates run from
 
 
 def _from_namespace(namespace: str) -> k8s.networking.v1.NetworkPolicyPeerArgsDict:
@@ -48,6 +51,12 @@ class ServingGuards(pulumi.ComponentResource):
         super().__init__("specdeploy:kubernetes:ServingGuards", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
         port: list[k8s.networking.v1.NetworkPolicyPortArgsDict] = [{"protocol": "TCP", "port": args.port}]
+        ingress: list[k8s.networking.v1.NetworkPolicyIngressRuleArgsDict] = [
+            {"from_": [_from_namespace(args.ingress_namespace)], "ports": port},
+            {"from_": [_from_namespace(args.prometheus_namespace)], "ports": port},
+        ]
+        if args.gate_cidrs:  # the release gates, reaching each slot's pods by address
+            ingress.append({"from_": [{"ip_block": {"cidr": cidr}} for cidr in args.gate_cidrs], "ports": port})
 
         self.network_policy = k8s.networking.v1.NetworkPolicy(
             f"{name}-network-policy",
@@ -55,10 +64,7 @@ class ServingGuards(pulumi.ComponentResource):
             spec={
                 "pod_selector": {"match_labels": server_selector()},
                 "policy_types": ["Ingress"],
-                "ingress": [
-                    {"from_": [_from_namespace(args.ingress_namespace)], "ports": port},
-                    {"from_": [_from_namespace(args.prometheus_namespace)], "ports": port},
-                ],
+                "ingress": ingress,
             },
             opts=child,
         )

@@ -21,8 +21,9 @@ CLOUDWATCH = {"GreaterThanThreshold": ">", "GreaterThanOrEqualToThreshold": ">="
 @pytest.fixture(scope="module")
 def aws_alarms() -> dict[str, tuple[str, float]]:
     alarms = record_stack("prod").of_type("aws:cloudwatch/metricAlarm:MetricAlarm")
-    return {a.inputs["name"].removeprefix("prod-"): (CLOUDWATCH[a.inputs["comparisonOperator"]],
-                                                     float(a.inputs["threshold"])) for a in alarms}
+    # CloudWatch names each slot's alarm prod-<slot>-<Rule>; prod defines blue alone
+    return {a.inputs["name"].removeprefix("prod-blue-"): (CLOUDWATCH[a.inputs["comparisonOperator"]],
+                                                          float(a.inputs["threshold"])) for a in alarms}
 
 
 @pytest.fixture(scope="module")
