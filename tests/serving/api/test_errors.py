@@ -66,6 +66,8 @@ CASES: list[tuple[str, str, dict[str, Any], int, str]] = [
     ("prediction", CHAT, {"json": {"model": "tiny", "messages": MSG,
                                    "prediction": {"type": "content", "content": "x"}}}, 400,
      "prediction is not supported"),
+    ("image-content-part", CHAT, {"json": {"model": "tiny", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}}, 400, "messages"),
     ("web-search-options", CHAT, {"json": {"model": "tiny", "messages": MSG, "web_search_options": {}}}, 400,
      "web_search_options is not supported"),
     ("too-many-stops", COMPLETIONS, {"json": {"model": "tiny", "prompt": "a", "stop": ["a", "b", "c", "d", "e"]}},
