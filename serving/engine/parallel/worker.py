@@ -106,6 +106,7 @@ def _load(spec: WorkerSpec, num_blocks: int) -> tuple[torch.nn.Module, Any]:
     model = load_model(spec.model_dir, spec.dtype, device, spec.max_model_len, spec.quantization,  # type: ignore[arg-type]
                        shard=(spec.rank, spec.world_size))
     attach_reduce(model, all_reduce)
+    model.set_paged_attention(device.type == "cuda")  # the same attention path as rank 0 (LLMEngine)
     args = model.args
     cache = KVCache(args.n_layers, num_blocks, spec.block_size, args.n_kv_heads, args.head_dim, model.dtype, device)
     return model, cache
