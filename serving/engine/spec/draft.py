@@ -24,6 +24,7 @@ from serving.engine.batch import SequenceInput, build_forward_batch
 from serving.engine.grammar import apply_grammar_masks
 from serving.engine.kv_cache import BlockManager, KVCache
 from serving.engine.loader import load_model, read_model_args
+from serving.engine.logits import adjust_logits
 from serving.engine.model import ModelArgs, Transformer
 from serving.engine.request import Request
 from serving.engine.sampling import SamplingRows, draw_uniforms, logits_to_probs, sample_from_probs
@@ -160,6 +161,10 @@ class DraftModelProposer:
             # the draft follows the grammar too (its q is the masked distribution, so verification stays
             # lossless), or most of what it proposes would be cut (grammar.admissible_drafts)
             logits = apply_grammar_masks(logits, grammars)
+        # penalties and logit bias as the target's verify rows get them (lossless either way: q is what the
+        # drafts are sampled from), so a draft close to the target stays close under them and is accepted
+        logits = adjust_logits(logits, [r.params for r in reqs],
+                               [r.output_token_ids + drafts.tokens.get(r.request_id, []) for r in reqs])
         if all(r.params.greedy for r in reqs):
             tokens = logits.argmax(dim=-1).tolist()
         else:

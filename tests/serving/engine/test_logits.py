@@ -99,3 +99,21 @@ def test_speculation_keeps_greedy_output_with_penalties_and_bias(kit: Any, llama
                                                                       num_draft_tokens=4, adaptive=False))
     assert kit.run_to_completion(engine, prompts, params) == plain
     assert engine.stats().spec.num_accepted_tokens > 10
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_a_draft_identical_to_the_target_is_always_accepted_under_penalties_and_bias(
+    kit: Any, llama_dir: Path, temperature: float
+) -> None:
+    """The draft model's q gets the same adjustment as the target's p (counting its own earlier drafts)."""
+    from serving.engine.config import SpeculativeConfig
+
+    engine = kit.make_engine(llama_dir, speculative=SpeculativeConfig(
+        enabled=True, method="draft", draft_model=str(llama_dir), num_draft_tokens=3, adaptive=False))
+    prompts = kit.random_prompts([9, 14], seed=8)
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=16, ignore_eos=True, frequency_penalty=1.5,
+                             presence_penalty=1.0, logit_bias={p[0]: 4.0}) for i, p in enumerate(prompts)]
+    kit.run_to_completion(engine, prompts, params)
+    spec = engine.stats().spec
+    assert spec.num_draft_tokens > 10
+    assert spec.acceptance_rate > 0.99
