@@ -197,3 +197,17 @@ def test_kubernetes_rollout_stops_before_the_next_shift_when_its_lease_is_broken
     assert len(api_server.patches()) == 1  # the 10 % step only; nothing moved after the break
     events = [r["event"] for r in ConfigMapAudit(KubeApi(api_server.url, "test-token"), "specdeploy").read()]
     assert "lock_broken" in events and "lock_lost" in events
+
+
+def test_rollback_is_refused_while_another_release_holds_the_lock(aws_release: AwsRelease, s3: Any,
+                                                                  prod_copy: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    aws_release.set_weights({"blue": 50, "green": 50})
+    SharedLock(S3Lock(s3, MODEL_BUCKET, "prod"), replace(me("specdeploy rollout --stack prod --to green"),
+                                                         holder="pipeline@ci", pid=77), lambda *a, **k: None).acquire()
+    assert main(["rollback", "--stack", "prod", "--stacks-dir", str(prod_copy), "--state-dir",
+                 str(prod_copy.parent / "state"), *aws_release.cli_args()]) == 2
+    assert "held by pipeline@ci (pid 77, `specdeploy rollout --stack prod --to green`)" in capsys.readouterr().err
+    assert aws_release.count("ModifyListener") == 0 and aws_release.weights() == {"blue": 50, "green": 50}
+    (refused,) = [r for r in S3Audit(s3, MODEL_BUCKET, "prod").read() if r["event"] == "lock_refused"]
+    assert refused["command"] == "specdeploy rollback --stack prod"
