@@ -276,6 +276,13 @@ class S3Lock:
             # If-Match on a key that is gone answers 404: it was broken or released meanwhile
             if _s3_code(exc) in _S3_CONFLICTS or _s3_code(exc) in ("NoSuchKey", "404"):
                 raise Conflict(self.where) from None
+            if _s3_code(exc) == "NoSuchBucket":
+                raise ReleaseError(f"the release lock's bucket {self.bucket} does not exist: pass --lock-bucket "
+                                   "(or set SPECDEPLOY_RELEASE_BUCKET) to the stack's model bucket") from None
+            if _s3_code(exc) == "AccessDenied":
+                raise ReleaseError(f"no permission to write the release lock {self.where}: the release needs "
+                                   f"s3:GetObject, s3:PutObject and s3:DeleteObject on {LOCK_PREFIX}/* and "
+                                   "release-audit/* of that bucket (runbooks/rollout.md)") from None
             raise
         return str(put["ETag"])
 

@@ -251,3 +251,9 @@ def test_store_stops_a_rollout_whose_lock_was_broken(s3: Any, tmp_path: Path) ->
             time.sleep(0.05)
         with pytest.raises(ReleaseError, match="lost"):
             store.check_lock()
+
+
+def test_missing_bucket_names_the_bucket_and_the_option(s3: Any) -> None:
+    lock = SharedLock(S3Lock(s3, "no-such-specdeploy-bucket", "prod"), holder("alice@laptop"), Recorder())
+    with pytest.raises(ReleaseError, match="bucket no-such-specdeploy-bucket does not exist: pass --lock-bucket"):
+        lock.acquire()
