@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from serving.config import CompileMode
+from serving.engine.compile import BucketDecision
 from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine
 from serving.engine.step_profile import StepBreakdown, profile_steps
@@ -51,6 +53,8 @@ class EngineBenchReport:
     ratios: dict[str, float] = field(default_factory=dict)
     breakdown: list[StepBreakdown] = field(default_factory=list)  # where a step's time goes, at c=1 and the top c
     profile: str = ""
+    compiled: list[BucketDecision] = field(default_factory=list)  # per bucket: eager vs compiled at warm-up
+
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -147,17 +151,19 @@ def run_engine_benchmark(
     profile: bool = False,
     device: str = "cpu",
     repeats: int = 2,
+    compile_mode: CompileMode = "auto",
 ) -> EngineBenchReport:
     torch.set_num_threads(threads)
     max_c = max(concurrencies)
     config = EngineConfig(model=str(model_dir), device=device, kv_cache_bytes=256 * 2**20,
                           max_num_seqs=max(max_c, 1), max_num_batched_tokens=max(512, max_c),
-                          num_threads=threads)
+                          num_threads=threads, compile=compile_mode)
     engine = LLMEngine.from_config(config)
     prompts = default_prompts(model_dir, engine.tokenizer)
     report = EngineBenchReport(model=str(model_dir), device=str(engine.device), dtype=str(engine.dtype),
                                threads=torch.get_num_threads(), prompt_tokens=[len(p) for p in prompts],
-                               output_len=output_len)
+                               output_len=output_len,
+                               compiled=engine.compiled.decisions if engine.compiled is not None else [])
     runs: list[Callable[[], RunResult]] = []
     for c in concurrencies:
         runs.append(functools.partial(bench_engine, engine, prompts, c, output_len))

@@ -36,6 +36,9 @@ def register(subparsers: Any) -> None:
     engine.add_argument("--repeats", type=int, default=2,
                         help="rounds over every system and concurrency, back to back; the best counts (default 2)")
     engine.add_argument("--json-out", type=Path, help="also write the JSON report to this file")
+    engine.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                        help="model.compile for the engine (auto: compiled small steps on CUDA only; on: also on "
+                             "CPU, each bucket kept only where it beat eager at warm-up; the report lists them)")
     engine.add_argument("--quantization", choices=("int8", "fp8"),
                         help="instead: the quantized engine beside the unquantized one (held-out perplexity, "
                              "weight bytes, tokens/s at each concurrency); fp8 needs a GPU of capability >= 8.9")
@@ -134,7 +137,7 @@ def _bench_engine(args: argparse.Namespace) -> int:
     concurrencies = _concurrencies(args.concurrency)
     report = run_engine_benchmark(_model_dir(args.model), concurrencies, args.output_len, args.threads,
                                   baselines=not args.no_baselines, profile=args.profile, device=args.device,
-                                  repeats=args.repeats)
+                                  repeats=args.repeats, compile_mode=args.compile)
     data = report.to_dict()
     profile = data.pop("profile")
     text = json.dumps(data, indent=2)
