@@ -39,12 +39,12 @@ class StubApi:
         if path != f"/api/v1/namespaces/{self.namespace}/pods":
             return {"items": []}
         slot = dict(part.split("=", 1) for part in query["labelSelector"].split(","))["specdeploy.dev/slot"]
-        ready = [{"type": "Ready", "status": "True"}]
+        ready, loading = [{"type": "Ready", "status": "True"}], [{"type": "Ready", "status": "False"}]
         return {"items": [
             {"metadata": {"name": f"specdeploy-{slot}-0"},
              "status": {"phase": "Running", "podIP": POD_IPS[slot], "conditions": ready}},
             {"metadata": {"name": f"specdeploy-{slot}-1"},  # still loading weights: not a gate target
-             "status": {"phase": "Running", "podIP": "10.1.0.99", "conditions": [{"type": "Ready", "status": "False"}]}},
+             "status": {"phase": "Running", "podIP": "10.1.0.99", "conditions": loading}},
         ]}
 
 
