@@ -137,7 +137,10 @@ class CompiledForward:
             batch = _dummy_batch(builder, bucket, cache)
             graph = self._compile()
             try:
-                compiled_ms = self._time(functools.partial(self._run, graph, batch, cache))  # compiles
+                # the first call compiles; with CUDA graphs the next ones warm up and record the bucket's graph,
+                # so that no capture is left for the first requests
+                for _ in range(3 if self.cuda_graphs else 1):
+                    compiled_ms = self._time(functools.partial(self._run, graph, batch, cache))
             except Exception as exc:  # an op inductor cannot lower here: this bucket stays eager, and we say why
                 log.warning("compiling the %d-token step failed; it runs eagerly: %s", bucket, exc)
                 self.decisions.append(BucketDecision(bucket, 0.0, 0.0, False, f"compile failed: {exc}"[:200]))

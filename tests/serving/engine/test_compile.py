@@ -58,3 +58,12 @@ def test_compiled_steps_give_the_eager_greedy_tokens(llama_dir: Path, kit: Any) 
     assert engine.compiled.steps_compiled > 10
     assert compiled == eager
     assert engine.blocks.num_used == 0
+
+
+def test_a_step_goes_to_the_smallest_bucket_that_holds_it(llama_dir: Path, kit: Any) -> None:
+    from serving.engine.compile import CompiledForward
+
+    runner = kit.PagedRunner(llama_dir)
+    compiled = CompiledForward(runner.model, [4, 1, 2])
+    assert [compiled.bucket_for(n) for n in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, None]  # 5 tokens: eager
+    assert not compiled.cuda_graphs  # CUDA graphs only on a CUDA device
