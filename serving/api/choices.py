@@ -25,12 +25,23 @@ _DONE = object()  # a choice's stream ended
 
 
 class Choices:
-    """The runs of one request's choices; ``outputs()`` yields (choice index, output) as they come."""
+    """The runs of one request's choices; ``outputs()`` yields (choice index, output) as they come.
 
-    def __init__(self, runs: list[GenerationRun]) -> None:
+    Runs come in groups of ``group_size`` sharing one prompt (completions may send several prompts): each
+    group's first run leads, its siblings start after the leader's first output."""
+
+    def __init__(self, runs: list[GenerationRun], group_size: int | None = None) -> None:
         self.runs = runs
+        self.group_size = group_size or len(runs)
         self.request_id = runs[0].request.request_id
         self._tasks: list[asyncio.Future[None]] = []  # one per started choice (n > 1)
+
+    @classmethod
+    def concat(cls, groups: list[Choices]) -> Choices:
+        """The choices of several prompts, alike in number, as one response's choices (prompt by prompt)."""
+        runs = [run for group in groups for run in group.runs]
+        runs[0].log_fields["engine_request_id"] = runs[0].request.request_id  # the one the response carries
+        return cls(runs, groups[0].group_size)
 
     async def prime(self) -> None:
         """Wait for the first choice's first output (a stream's status code can still be an error)."""
@@ -72,22 +83,24 @@ class Choices:
                 async with contextlib.aclosing(self.runs[index].outputs()) as stream:
                     async for output in stream:
                         await queue.put((index, output))
-                        if index == 0 and len(self._tasks) == 1:  # its prompt is in the prefix cache now
-                            self._tasks.extend(asyncio.ensure_future(pump(i)) for i in range(1, len(self.runs)))
+                        if index % size == 0 and index not in led:  # its prompt is in the prefix cache now
+                            led.add(index)
+                            self._tasks.extend(asyncio.ensure_future(pump(i)) for i in range(index + 1, index + size))
             except BaseException as exc:  # re-raised by the consumer, which cancels the other choices
                 await queue.put((index, exc))
                 return
             await queue.put((index, _DONE))
 
-        self._tasks = [asyncio.ensure_future(pump(0))]
+        size, led = self.group_size, set[int]()  # led: groups whose siblings were started
+        self._tasks = [asyncio.ensure_future(pump(i)) for i in range(0, len(self.runs), size)]
         remaining = len(self.runs)
         try:
             while remaining:
                 index, item = await queue.get()
                 if item is _DONE:
                     remaining -= 1
-                    if index == 0 and len(self._tasks) == 1:  # ended without any output: the others never start
-                        remaining = 0
+                    if index % size == 0 and index not in led:  # ended without any output: no siblings start
+                        remaining -= size - 1
                 elif isinstance(item, BaseException):
                     raise item
                 else:
@@ -97,8 +110,8 @@ class Choices:
 
     @property
     def usage(self) -> dict[str, int]:
-        """The prompt counted once, as OpenAI does; completion tokens of all choices."""
-        prompt = self.runs[0].prompt_tokens
+        """Each prompt counted once, as OpenAI does; completion tokens of all choices."""
+        prompt = sum(run.prompt_tokens for run in self.runs[:: self.group_size])
         completion = sum(run.completion_tokens for run in self.runs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 

@@ -11,6 +11,7 @@ from pydantic_core import PydanticCustomError
 MAX_STOP_SEQUENCES = 4
 MAX_LOGPROBS = 20
 MAX_CHOICES = 16  # n (and best_of): engine requests one HTTP request may start
+MAX_PROMPTS = 32  # prompts in one completions request (choices: prompts x n, at most 4 x MAX_CHOICES)
 # Errors these schemas raise with their own code; the message names the field itself.
 EMPTY_PROMPT = "empty_prompt"
 INVALID_TEXT = "invalid_text"
@@ -215,24 +216,30 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(
+    def _prompts(
         cls, value: str | list[str] | list[int] | list[list[int]]
     ) -> str | list[str] | list[int] | list[list[int]]:
-        single = value
-        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-            if len(value) != 1:
-                raise ValueError("batched prompts are not supported; send one prompt per request")
-            single = value[0]
-        if not single:
+        prompts = value if isinstance(value, list) and value and isinstance(value[0], (str, list)) else [value]
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts in one request, got {len(prompts)}")
+        if any(not p for p in prompts):
             raise PydanticCustomError(EMPTY_PROMPT, "prompt is empty")
         return value
 
+    @model_validator(mode="after")
+    def _engine_requests(self) -> CompletionRequest:
+        total = len(self.prompts) * self.candidates
+        if total > MAX_CHOICES * 4:
+            raise ValueError(f"prompts x (best_of or n) = {total} engine requests; at most {MAX_CHOICES * 4}")
+        return self
+
     @property
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt, or each prompt of a batch (lm-evaluation-harness sends token-id batches)."""
         value = self.prompt
         if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-            return value[0]  # type: ignore[return-value]
-        return value  # type: ignore[return-value]
+            return list(value)  # type: ignore[arg-type]
+        return [value]  # type: ignore[list-item]
 
 
 class TextPart(_Body):

@@ -49,8 +49,10 @@ def reference_loglikelihood(model: Any, context: list[int], continuation: list[i
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("batch_size", [1, 4])  # 4: several prompts in one request
 def test_local_completions_loglikelihood_task_matches_the_reference_model(
-    server: Any, api_keys: dict[str, str], tiny_chat_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    server: Any, api_keys: dict[str, str], tiny_chat_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    batch_size: int,
 ) -> None:
     from lm_eval.models.openai_completions import LocalCompletionsAPI
     from lm_eval.tasks import TaskManager
@@ -61,7 +63,7 @@ def test_local_completions_loglikelihood_task_matches_the_reference_model(
     task = write_task(tmp_path)
     lm = LocalCompletionsAPI(base_url=f"{server.base_url}/v1/completions", model="tiny",
                              tokenizer=str(tiny_chat_model), tokenizer_backend="huggingface",
-                             tokenized_requests=True, num_concurrent=1, max_retries=1)
+                             tokenized_requests=True, num_concurrent=1, max_retries=1, batch_size=batch_size)
     results = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=TaskManager(include_path=str(tmp_path)),
                                       log_samples=True)
     samples = results["samples"][task]

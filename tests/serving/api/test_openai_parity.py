@@ -155,6 +155,29 @@ def test_lm_eval_loglikelihood_request_returns_the_offline_logprobs(
     assert response.json()["usage"]["completion_tokens"] == max_tokens
 
 
+def test_a_batch_of_prompts_gets_each_prompts_logprobs_in_prompt_order(server: Any) -> None:
+    """lm-eval with batch_size > 1 sends several token prompts in one request."""
+    batch = [[17, 402, 93, 1200, 5, 77], [3000, 45, 45, 46], [812, 9, 10, 11, 2048, 64, 65]]
+    body = {"model": MODEL_NAME, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}
+    with server.client() as http:
+        together = http.post("/v1/completions", json={**body, "prompt": batch}).json()
+        alone = [http.post("/v1/completions", json={**body, "prompt": [ids]}).json() for ids in batch]
+    assert [c["index"] for c in together["choices"]] == [0, 1, 2]
+    for choice, single, ids in zip(together["choices"], alone, batch, strict=True):
+        assert len(choice["logprobs"]["token_logprobs"]) == len(ids) + 1
+        assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(
+            single["choices"][0]["logprobs"]["token_logprobs"][1:], abs=1e-5)
+    assert together["usage"]["prompt_tokens"] == sum(len(ids) for ids in batch)
+
+
+def test_a_batch_of_prompts_with_n2_indexes_choices_prompt_by_prompt(client: openai.OpenAI) -> None:
+    prompts = ["def add(a, b):", "import os\n"]
+    response = client.completions.create(model=MODEL_NAME, prompt=prompts, n=2, echo=True, max_tokens=3,
+                                         temperature=1.0, seed=4)
+    assert [c.index for c in response.choices] == [0, 1, 2, 3]
+    assert [c.text.startswith(prompts[c.index // 2]) for c in response.choices] == [True] * 4
+
+
 def test_echo_with_the_client_repeats_the_prompt_before_the_completion(client: openai.OpenAI) -> None:
     response = client.completions.create(model=MODEL_NAME, prompt=PROMPT, echo=True, logprobs=2, max_tokens=3,
                                          temperature=0, extra_body={"ignore_eos": True})
