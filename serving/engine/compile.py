@@ -109,7 +109,7 @@ class CompiledForward:
         self.graphs: dict[int, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
         self.decisions: list[BucketDecision] = []
         self.steps_compiled = 0  # steps that ran through a compiled graph
-        # every bucket is a recompile of the same code; the default limit (8) would silently fall back to eager
+        # every bucket is a recompile of the same code (process-wide setting, made when an engine compiles)
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, len(self.buckets) + 2)
 
@@ -125,39 +125,51 @@ class CompiledForward:
         graph = self.graphs.get(bucket) if bucket is not None else None
         if graph is None or bucket is None:
             return self.model(batch, cache)
+        try:
+            # never compile while serving: warm-up compiled every bucket for exactly the inputs steps bring
+            with torch.compiler.set_stance("fail_on_recompile"):
+                hidden = self._run(graph, batch, cache)
+        except Exception as exc:  # a guard the warm-up did not foresee: this bucket runs eagerly from now on
+            log.warning("compiled %d-token step refused (%s); the bucket runs eagerly", bucket, exc)
+            del self.graphs[bucket]
+            return self.model(batch, cache)  # rewrites the same K/V if the graph got as far as writing them
         self.steps_compiled += 1
-        return self._run(graph, batch, cache)[:n]
+        return hidden[:n]
 
     def warm_up(self, cache: KVCache, builder: ForwardBatchBuilder, measure: bool = True) -> list[BucketDecision]:
         """Compile (and on CUDA capture) every bucket; with measure, keep only the buckets where it pays.
 
         Runs on an engine with no request yet: the dummy steps write K/V into blocks nobody holds."""
         self.decisions = []
-        for bucket in self.buckets:
-            batch = _dummy_batch(builder, bucket, cache)
-            graph = self._compile()
-            try:
-                # the first call compiles; with CUDA graphs the next ones warm up and record the bucket's graph,
-                # so that no capture is left for the first requests
-                for _ in range(3 if self.cuda_graphs else 1):
-                    compiled_ms = self._time(functools.partial(self._run, graph, batch, cache))
-            except Exception as exc:  # an op inductor cannot lower here: this bucket stays eager, and we say why
-                log.warning("compiling the %d-token step failed; it runs eagerly: %s", bucket, exc)
-                self.decisions.append(BucketDecision(bucket, 0.0, 0.0, False, f"compile failed: {exc}"[:200]))
-                continue
-            if measure:
-                eager_ms, compiled_ms = self._time_side_by_side(
-                    functools.partial(self.model, batch, cache), functools.partial(self._run, graph, batch, cache)
-                )
-                keep = eager_ms >= _MIN_GAIN * compiled_ms
-            else:
-                eager_ms, keep = 0.0, True
-            if keep:
-                self.graphs[bucket] = graph
-            self.decisions.append(BucketDecision(bucket, eager_ms, compiled_ms, keep))
-            log.info("%d-token step: eager %.2f ms, compiled %.2f ms -> %s", bucket, eager_ms, compiled_ms,
-                     "compiled" if keep else "eager")
+        with torch.inference_mode():  # as steps run (LLMEngine.execute): inference tensors, no autograd guards
+            for bucket in self.buckets:
+                self._warm_up_bucket(bucket, cache, builder, measure)
         return self.decisions
+
+    def _warm_up_bucket(self, bucket: int, cache: KVCache, builder: ForwardBatchBuilder, measure: bool) -> None:
+        batch = _dummy_batch(builder, bucket, cache)
+        graph = self._compile()
+        try:
+            # the first call compiles; with CUDA graphs the next ones warm up and record the bucket's graph,
+            # so that no capture is left for the first requests
+            for _ in range(3 if self.cuda_graphs else 1):
+                compiled_ms = self._time(functools.partial(self._run, graph, batch, cache))
+        except Exception as exc:  # an op inductor cannot lower here: this bucket stays eager, and we say why
+            log.warning("compiling the %d-token step failed; it runs eagerly: %s", bucket, exc)
+            self.decisions.append(BucketDecision(bucket, 0.0, 0.0, False, f"compile failed: {exc}"[:200]))
+            return
+        if measure:
+            eager_ms, compiled_ms = self._time_side_by_side(
+                functools.partial(self.model, batch, cache), functools.partial(self._run, graph, batch, cache)
+            )
+            keep = eager_ms >= _MIN_GAIN * compiled_ms
+        else:
+            eager_ms, keep = 0.0, True
+        if keep:
+            self.graphs[bucket] = graph
+        self.decisions.append(BucketDecision(bucket, eager_ms, compiled_ms, keep))
+        log.info("%d-token step: eager %.2f ms, compiled %.2f ms -> %s", bucket, eager_ms, compiled_ms,
+                 "compiled" if keep else "eager")
 
     def _compile(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         model = self.model
