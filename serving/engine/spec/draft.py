@@ -163,8 +163,9 @@ class DraftModelProposer:
             logits = apply_grammar_masks(logits, grammars)
         # penalties and logit bias as the target's verify rows get them (lossless either way: q is what the
         # drafts are sampled from), so a draft close to the target stays close under them and is accepted
-        logits = adjust_logits(logits, [r.params for r in reqs],
-                               [r.output_token_ids + drafts.tokens.get(r.request_id, []) for r in reqs])
+        if any(r.params.adjusts_logits for r in reqs):
+            logits = adjust_logits(logits, [r.params for r in reqs],
+                                   [r.output_token_ids + drafts.tokens.get(r.request_id, []) for r in reqs])
         if all(r.params.greedy for r in reqs):
             tokens = logits.argmax(dim=-1).tolist()
         else:

@@ -100,12 +100,13 @@ class Speculator:
         lengths = [len(r) for r in rows]
         if any(r.grammar is not None for r in reqs):  # row j masked after the drafts before j
             mask_verify_rows(verify_logits, [r.grammar for r in reqs], drafts)
-        # the row at draft position j is adjusted as plain sampling would be after the drafts before j
-        verify_logits = adjust_logits(
-            verify_logits,
-            [r.params for r, n in zip(reqs, lengths, strict=True) for _ in range(n)],
-            [r.output_token_ids + d[:j] for r, d, n in zip(reqs, drafts, lengths, strict=True) for j in range(n)],
-        )
+        if any(r.params.adjusts_logits for r in reqs):  # (no history copies for the common case)
+            # the row at draft position j is adjusted as plain sampling would be after the drafts before j
+            verify_logits = adjust_logits(
+                verify_logits,
+                [r.params for r, n in zip(reqs, lengths, strict=True) for _ in range(n)],
+                [r.output_token_ids + d[:j] for r, d, n in zip(reqs, drafts, lengths, strict=True) for j in range(n)],
+            )
         if all(r.params.greedy for r in reqs):
             argmax = verify_logits.argmax(dim=-1).split(lengths)
             return [verify_greedy(a.tolist(), d) for a, d in zip(argmax, drafts, strict=True)]
