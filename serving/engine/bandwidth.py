@@ -4,13 +4,15 @@ The guide's rule of thumb: one decode step reads every weight once, so a single 
 cannot beat ``HBM bandwidth ÷ weight bytes`` tokens/s. This measures both sides in one run:
 the device's copy bandwidth (a large device-to-device copy: bytes read + written per second)
 and our engine's batch-1 greedy decode tokens/s on a randomly initialised ~1B Llama in bf16,
-and prints JSON with their ratio. Run it with ``make gpu-check`` (needs CUDA; nothing else
-depends on it).
+and prints JSON with their ratio, for compiled steps with CUDA graphs and without (eager), and for int8
+and fp8 weights (each run's bound uses its own weight bytes). Run it with ``make gpu-check`` (needs CUDA;
+nothing else depends on it).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
@@ -22,6 +24,8 @@ import torch
 
 from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine
+from serving.engine.quant import weight_bytes
+from serving.engine.step_profile import profile_steps
 from serving.engine.types import GenerationRequest, SamplingParams
 
 # ~1.1B parameters: TinyLlama-like shape.
@@ -57,9 +61,15 @@ def build_random_model(directory: Path) -> int:
     return count
 
 
-def decode_tokens_per_s(model_dir: Path, new_tokens: int) -> float:
-    engine = LLMEngine.from_config(EngineConfig(model=str(model_dir), dtype="bf16", device="cuda",
-                                                max_num_seqs=1, max_model_len=1024))
+def decode_tokens_per_s(model_dir: Path, new_tokens: int, compile_mode: str, quantization: str) -> dict[str, Any]:
+    """Batch-1 greedy decode tokens/s of one engine configuration, with what its start-up did."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    started = time.perf_counter()
+    engine = LLMEngine.from_config(EngineConfig(model=str(model_dir), dtype="bf16", device="cuda", max_num_seqs=1,
+                                                max_model_len=1024, compile=compile_mode, quantization=quantization))
+    startup_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     prompt = list(range(1, 17))
     for warm in range(2):  # first runs pay for kernel selection and allocator growth
@@ -75,30 +85,74 @@ def decode_tokens_per_s(model_dir: Path, new_tokens: int) -> float:
     while engine.has_unfinished_requests():
         produced += sum(len(out.new_token_ids) for out in engine.step())
     torch.cuda.synchronize()
-    return produced / (time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    # where a step's time goes (each phase synchronizes the device, so these steps run a little slower)
+    engine.add_request(GenerationRequest("profiled", prompt, SamplingParams(temperature=0.0, max_tokens=64,
+                                                                            ignore_eos=True)))
+    engine.step()
+
+    def finish() -> None:
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    split = profile_steps(engine, finish, concurrency=1)
+    compiled = engine.compiled
+    result = {
+        "compile": compile_mode,
+        "quantization": quantization,
+        "weight_bytes": weight_bytes(engine.model),
+        "startup_s": round(startup_s, 1),
+        "compiled_buckets": sorted(compiled.graphs) if compiled is not None else [],
+        "cuda_graphs": bool(compiled is not None and compiled.cuda_graphs),
+        "cudagraph_skips": int(counters["inductor"].get("cudagraph_skips", 0)),
+        "tokens_per_s": round(produced / elapsed, 1),
+        "ms_per_token": round(1e3 * elapsed / produced, 3),
+        "profiled_step_ms": {phase: round(getattr(split, f"{phase}_ms"), 3)
+                             for phase in ("step", "python", "attention", "matmuls", "sampling")},
+        "compile_decisions": [d.note or ("compiled" if d.compiled else "eager")
+                              for d in (compiled.decisions if compiled is not None else [])],
+    }
+    engine.close()
+    return result
+
+
+CONFIGS = ("on:none", "off:none", "on:int8", "on:fp8")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help="compile:quantization pairs, comma-separated (default: %(default)s)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.stderr.write("bandwidth: needs a CUDA device\n")
         return 2
+    configs = [tuple(c.split(":")) for c in args.configs.split(",")]
+    for config in configs:
+        if len(config) != 2 or config[0] not in ("on", "off", "auto") or config[1] not in ("none", "int8", "fp8"):
+            sys.stderr.write(f"bandwidth: bad --configs entry {':'.join(config)!r}: want compile:quantization, "
+                             "e.g. on:none or off:int8\n")
+            return 2
     bandwidth = copy_bandwidth()
+    runs = []
     with tempfile.TemporaryDirectory() as tmp:
         params = build_random_model(Path(tmp))
-        weight_bytes = params * 2
-        tokens_per_s = decode_tokens_per_s(Path(tmp), args.new_tokens)
-    bound = bandwidth / weight_bytes
+        for compile_mode, quantization in configs:
+            run = decode_tokens_per_s(Path(tmp), args.new_tokens, compile_mode, quantization)
+            gc.collect()  # the run's engine and its KV cache
+            torch.cuda.empty_cache()
+            # the bound of each run is its own weight bytes: quantized weights are fewer bytes to read per token
+            run["bound_tokens_per_s"] = round(bandwidth / run["weight_bytes"], 1)
+            run["fraction_of_bound"] = round(run["tokens_per_s"] / run["bound_tokens_per_s"], 3)
+            runs.append(run)
+            sys.stderr.write(json.dumps(run) + "\n")
     result = {
         "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
         "params": params,
-        "weight_bytes": weight_bytes,
         "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
-        "bound_tokens_per_s": round(bound, 1),
-        "engine_batch1_tokens_per_s": round(tokens_per_s, 1),
-        "fraction_of_bound": round(tokens_per_s / bound, 3),
+        "runs": runs,
     }
     sys.stdout.write(json.dumps(result, indent=2) + "\n")
     return 0

@@ -10,7 +10,7 @@ embeddings, norms, projections, RoPE, the MLP — is one graph per bucket over `
 Whether compiling pays is measured per bucket at warm-up (eager and compiled step time, side by side) and a
 bucket keeps its compiled graph only if it is faster: on a small CPU model the launch overhead saved can be
 smaller than the guard and wrapper overhead added. On CUDA the compiled graph is captured per bucket with
-inductor's CUDA graphs (`mode="reduce-overhead"`); that path is unverified here (no GPU on the build machine).
+inductor's CUDA graphs (`mode="reduce-overhead"`); measured on an H200 in docs/engine.md.
 """
 
 from __future__ import annotations
@@ -155,8 +155,8 @@ class CompiledForward:
             for _ in range(3 if self.cuda_graphs else 1):
                 compiled_ms = self._time(functools.partial(self._run, graph, batch, cache))
         except Exception as exc:  # an op inductor cannot lower here: this bucket stays eager, and we say why
-            log.warning("compiling the %d-token step failed; it runs eagerly: %s", bucket, exc)
-            self.decisions.append(BucketDecision(bucket, 0.0, 0.0, False, f"compile failed: {exc}"[:200]))
+            log.warning("compiling the %d-token step failed; it runs eagerly: %r", bucket, exc)
+            self.decisions.append(BucketDecision(bucket, 0.0, 0.0, False, f"compile failed: {exc!r}"[:300]))
             return
         if measure:
             eager_ms, compiled_ms = self._time_side_by_side(
@@ -187,8 +187,14 @@ class CompiledForward:
              cache: KVCache) -> torch.Tensor:
         bucket = self.bucket_for(batch.num_tokens)
         assert bucket is not None
+        if self.cuda_graphs:
+            # a new step: the graphs' static outputs of the previous one may be overwritten (cudagraph trees
+            # cannot tell steps apart under inference_mode, and refuse to run without this)
+            torch.compiler.cudagraph_mark_step_begin()
         with step_context(self.model, batch, cache):
-            return graph(_pad(batch.input_ids, bucket), _pad(batch.positions, bucket))
+            hidden = graph(_pad(batch.input_ids, bucket), _pad(batch.positions, bucket))
+        # the graph's output lives in its static pool, overwritten by the next replay: the step keeps a copy
+        return hidden.clone() if self.cuda_graphs else hidden
 
     def _time(self, fn: Callable[[], object]) -> float:
         sync = self.model.device.type == "cuda"

@@ -76,9 +76,10 @@ class LLMEngine:
         # kept for the engine's life: its index ramps are made once, not per step
         self.builder = ForwardBatchBuilder(self.block_size, self.args.n_rep, self.device, self.dtype)
         self.compiled: CompiledForward | None = None  # set by compile_steps(); None: every step runs eagerly
-        # CUDA: attention reads the paged cache in place (FlexAttention; unverified here, no GPU). CPU keeps
-        # gather + SDPA, measured 1.4-2.3x faster than FlexAttention on CPU for our group shapes (docs/engine.md)
-        model.set_paged_attention(self.device.type == "cuda")
+        # CUDA: attention reads the paged cache in place (FlexAttention; its Triton tiles need cache blocks of
+        # >= 16 tokens). CPU keeps gather + SDPA, measured 1.4-2.3x faster than FlexAttention on CPU for our
+        # group shapes (docs/engine.md)
+        model.set_paged_attention(self.device.type == "cuda" and self.block_size >= 16)
         self.tp_group: TensorParallelGroup | None = None  # ranks 1..tp-1 (from_config starts them)
 
     # ---- construction -------------------------------------------------------------------------------

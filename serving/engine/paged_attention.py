@@ -80,6 +80,11 @@ def paged_attention(
     # the cache as one physical sequence, seen by every sequence of the group (a view: nothing is copied)
     k = k_blocks.view(1, num_blocks * block_size, hkv, d).transpose(1, 2).expand(g, hkv, -1, d)
     v = v_blocks.view(1, num_blocks * block_size, hkv, d).transpose(1, 2).expand(g, hkv, -1, d)
+    options = None
+    if q_pad.device.type == "cuda":
+        # the Triton kernel's KV tile must divide the mask's KV block (one cache block): its default tiles
+        # (32-128) refuse a 16-token block ("Q and KV block size must be divisible by BLOCK_M and BLOCK_N")
+        options = {"BLOCK_N": min(block_size, 64)}
     out: torch.Tensor = _flex(q_pad.device.type)(q_pad, k, v, block_mask=block_mask, scale=scale,
-                                                 enable_gqa=hq != hkv)
+                                                 enable_gqa=hq != hkv, kernel_options=options)
     return out
