@@ -9,9 +9,10 @@ The formulas are the guide's (guide-planning-launch-operations, section 3):
              and 15-20 % headroom on top
 - batch-1 decode ceiling ~= memory bandwidth / weight bytes (every token reads all weights)
 
-With tensor parallelism (`model.tensor_parallel_size` tp) each GPU holds weights / tp (attention and
-MLP split by heads and columns, embeddings and lm_head vocabulary-parallel; the replicated norms are
-negligible) and KV / tp (the cache is sharded by KV head, so kv_heads must divide by tp). Activations
+With tensor parallelism (`model.tensor_parallel_size` tp) each GPU holds the decoder layers' weights / tp
+(attention and MLP split by heads and columns) plus the whole embedding and lm_head, which the engine
+replicates on every rank (the replicated norms are negligible), and KV / tp (the cache is sharded by KV
+head, so kv_heads must divide by tp). Activations
 and the runtime are counted whole on every GPU, and the draft model (weights and KV) sits on rank 0:
 the per-GPU figures are rank 0's, the fullest GPU. The instance needs at least tp GPUs.
 
@@ -73,11 +74,46 @@ class ModelDims:
     hidden_size: int
     source: str  # "config.json" or "stack file"
     quantization: str = "none"  # none, int8 or fp8: the weights' bytes; KV and activations stay in dtype
+    vocab_size: int | None = None  # None: unknown (then tensor parallel plans refuse: the tables are replicated)
+    tied: bool = False  # one table serves the embedding and the lm_head
 
     @property
     def weight_bytes(self) -> float:
-        # int8 and fp8 store one byte per weight; their per-channel scales add ~1/hidden of that (ignored)
-        return weight_bytes(self.params, "int8" if self.quantization in ("int8", "fp8") else self.dtype)
+        """All weights, as the engine holds them on one device."""
+        return self.layer_weight_bytes + self.table_bytes
+
+    @property
+    def _matmul_bytes(self) -> float:
+        # int8 and fp8 store one byte per matmul weight; their per-channel scales add ~1/hidden (ignored)
+        return BYTES_PER_PARAM["int8" if self.quantization in ("int8", "fp8") else self.dtype]
+
+    @property
+    def _table_params(self) -> float:
+        return (self.vocab_size or 0) * self.hidden_size * (1 if self.tied else 2)
+
+    @property
+    def layer_weight_bytes(self) -> float:
+        """The decoder layers (attention, MLP, norms): what tensor parallelism splits."""
+        return (self.params - self._table_params) * self._matmul_bytes
+
+    @property
+    def table_bytes(self) -> float:
+        """Embedding and lm_head as the engine stores them (serving/engine/quant.py): int8 quantizes both and
+        a tied table stays shared; fp8 keeps the embedding in the model dtype and gives the lm_head its own
+        fp8 copy. Replicated on every tensor-parallel rank."""
+        table = (self.vocab_size or 0) * self.hidden_size
+        if self.quantization == "fp8":
+            return table * (BYTES_PER_PARAM[self.dtype] + 1)
+        return self._table_params * self._matmul_bytes
+
+    def weight_bytes_per_rank(self, tp: int) -> float:
+        if tp > 1 and self.vocab_size is None:
+            raise CapacityError(
+                f"capacity plan: {self.name}: model.tensor_parallel_size {tp} needs the vocabulary size (every "
+                "rank holds the whole embedding and lm_head) and config.json is not readable; set "
+                "model.vocab_size (and model.tie_word_embeddings) in the stack file"
+            )
+        return self.layer_weight_bytes / tp + self.table_bytes
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -168,8 +204,11 @@ def model_dims(spec: ModelSpec, key: str, reader: ConfigReader = read_local_conf
             "is not readable; set them in the stack file"
         )
     assert params and layers and kv_heads and head_dim and hidden  # narrowed by `missing` above
+    vocab = hf.get("vocab_size", spec.vocab_size)
+    tied = hf.get("tie_word_embeddings", spec.tie_word_embeddings)
     return ModelDims(spec.name, spec.dtype, float(params), int(layers), int(kv_heads), int(head_dim),
-                     int(hidden), "config.json" if from_hf else "stack file", spec.quantization)
+                     int(hidden), "config.json" if from_hf else "stack file", spec.quantization,
+                     int(vocab) if vocab else None, bool(tied))
 
 
 @dataclass(frozen=True)
@@ -190,9 +229,14 @@ class MemoryEstimate:
     tp: int = 1  # model.tensor_parallel_size: GPUs the target is sharded across
 
     @property
+    def target_weights_per_gpu(self) -> float:
+        """The target's weights on one rank: its share of the layers plus the replicated tables."""
+        return self.target.weight_bytes_per_rank(self.tp)
+
+    @property
     def weights_per_gpu(self) -> float:
         """Target weights on one GPU, plus the draft's on rank 0."""
-        return self.weights / self.tp + self.draft_weights
+        return self.target_weights_per_gpu + self.draft_weights
 
     @property
     def kv_per_token_per_gpu(self) -> float:
@@ -406,8 +450,10 @@ class CapacityPlan:
         ]
         if e.tp > 1:
             lines.append(
-                f"parallel     tensor_parallel_size {e.tp}: per GPU weights {gib(e.weights)}/{e.tp} = "
-                f"{gib(e.weights / e.tp)} GiB" + (f" (+ draft {gib(e.draft_weights)} GiB on rank 0)" if e.draft else "")
+                f"parallel     tensor_parallel_size {e.tp}: per GPU weights {gib(e.target.layer_weight_bytes)}/{e.tp} "
+                f"(layers) + {gib(e.target.table_bytes)} (embedding and lm_head, on every GPU) = "
+                f"{gib(e.target_weights_per_gpu)} GiB"
+                + (f" (+ draft {gib(e.draft_weights)} GiB on rank 0)" if e.draft else "")
                 + f", KV {e.target.num_kv_heads // e.tp} of {e.target.num_kv_heads} KV heads = "
                 f"{gib(e.kv_peak_per_gpu)} GiB peak; activations and runtime on every GPU"
             )
@@ -429,7 +475,8 @@ class CapacityPlan:
                          f"{inst.gpus - e.tp} of {inst.gpus} GPUs stay idle")
         if e.tp > 1:
             lines.append(f"note         tensor parallel: the server starts {e.tp} processes, one per GPU (NCCL); "
-                         "rank 0 schedules and samples, every rank holds its share of heads, MLP and KV cache")
+                         "rank 0 schedules and samples, every rank holds its share of heads, MLP and KV cache "
+                         "and a whole copy of the embedding and lm_head")
         return "\n".join(lines)
 
     def _why_chosen(self) -> str:
@@ -473,7 +520,7 @@ def _does_not_fit(config: StackConfig, estimate: MemoryEstimate, fits: list[Fit]
     pool = [f for f in fits if f.instance.name == given] if given else fits
     biggest = max(pool, key=lambda f: (f.gpu_bytes, -f.instance.price_per_hour))
     where = f"fleet.instance_type {given}" if given else f"any catalogued type (largest: {biggest.instance.name})"
-    split = f" / tensor_parallel_size {e.tp}" if e.tp > 1 else ""
+    split = f" -> {gib(e.target_weights_per_gpu)} GiB per GPU at tensor_parallel_size {e.tp}" if e.tp > 1 else ""
     lines = [
         f"capacity plan: {e.target.name} does not fit {where}",
         f"  weights {gib(e.weights)} GiB{split} + draft {gib(e.draft_weights)} GiB + KV peak "
@@ -512,6 +559,9 @@ def _does_not_fit(config: StackConfig, estimate: MemoryEstimate, fits: list[Fit]
 def _tp_suggestion(config: StackConfig, estimate: MemoryEstimate) -> list[str]:
     """The smallest larger model.tensor_parallel_size that fits some catalogued type, if any does."""
     mmu = config.service.max_memory_utilization
+    if estimate.target.vocab_size is None:
+        return ["    - shard it (model.tensor_parallel_size): set model.vocab_size (and model.tie_word_embeddings) "
+                "so the plan can size each GPU's copy of the embedding and lm_head"]
     for tp in (size for size in TP_SIZES if size > estimate.tp):
         if estimate.target.num_kv_heads % tp:
             continue

@@ -75,6 +75,9 @@ class ModelSpec(StrictModel):
     num_attention_heads: int | None = Field(None, gt=0, description="Query heads (capacity plan).")
     num_kv_heads: int | None = Field(None, gt=0, description="Key/value heads; GQA when below query heads.")
     head_dim: int | None = Field(None, gt=0, description="Per-head width; default hidden / heads.")
+    vocab_size: int | None = Field(None, gt=0, description="Vocabulary size (capacity plan: embedding and lm_head, "
+                                   "which every tensor-parallel rank holds whole).")
+    tie_word_embeddings: bool = Field(False, description="One table for embedding and lm_head (capacity plan).")
 
     @field_validator("source")
     @classmethod

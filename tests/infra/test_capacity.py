@@ -129,12 +129,18 @@ def test_an_unknown_type_is_an_error_listing_the_catalog(dev: StackConfig) -> No
 
 
 def test_a_70b_bf16_model_fits_nothing_and_says_why(dev: StackConfig) -> None:
-    big = _with(dev, "model", params_b=70.0, num_layers=80, hidden_size=8192, num_kv_heads=8)
+    big = _with(dev, "model", params_b=70.0, num_layers=80, hidden_size=8192, num_kv_heads=8, vocab_size=128256)
     with pytest.raises(CapacityError) as info:
         plan(big)
     assert "does not fit any catalogued type" in str(info.value)
     # dev's context and concurrency: 4 GPUs' shares fit an 80 GiB GPU; no 4-GPU type has them, so the 8-GPU one
     assert "model.tensor_parallel_size 1 -> 4 (cheapest that fits: p5.48xlarge, 8 GPUs" in str(info.value)
+
+    # without the vocabulary the per-GPU share of a sharded model is unknown (the tables are on every GPU)
+    with pytest.raises(CapacityError, match=r"set model.vocab_size .*embedding and lm_head"):
+        plan(_with(big, "model", vocab_size=None))
+    with pytest.raises(CapacityError, match=r"tensor_parallel_size 4 needs the vocabulary size"):
+        plan(_with(big, "model", vocab_size=None, tensor_parallel_size=4))
 
 
 def test_spot_pools_are_other_sizes_of_the_same_gpu(dev: StackConfig) -> None:

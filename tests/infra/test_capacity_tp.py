@@ -26,10 +26,14 @@ def test_70b_with_tp8_picks_an_8_gpu_instance_and_shows_per_gpu_memory() -> None
     result = plan(_example("llama70b-example"))
     assert result.instance.gpus == 8 and result.instance.name == "p4d.24xlarge"
     e = result.estimate
-    assert e.weights_per_gpu == pytest.approx(e.weights / 8)
+    # embedding and lm_head (128256 x 8192, untied, bf16: 3.9 GiB) are whole on every GPU; the layers split 8 ways
+    tables = 2 * 128256 * 8192 * 2
+    assert e.target.table_bytes == tables
+    assert e.weights_per_gpu == pytest.approx((e.weights - tables) / 8 + tables)
     assert e.kv_peak_per_gpu == pytest.approx(e.kv_peak / 8)
     text = result.render()
-    assert f"per GPU weights {e.weights / GIB:.1f}/8 = {e.weights / 8 / GIB:.1f} GiB" in text
+    assert (f"per GPU weights {(e.weights - tables) / GIB:.1f}/8 (layers) + {tables / GIB:.1f} (embedding and "
+            f"lm_head, on every GPU) = {e.weights_per_gpu / GIB:.1f} GiB") in text
     assert "tensor parallel: the server starts 8 processes, one per GPU" in text
     assert result.as_dict()["tensor_parallel_size"] == 8
 
