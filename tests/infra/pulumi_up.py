@@ -9,6 +9,8 @@ ones that touch traffic or paging to moto, the way the engine would.
 
 from __future__ import annotations
 
+import copy
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,10 +39,60 @@ def planned_updates(state: PreviewResult, program: PreviewResult,
             continue
         current = {**old.inputs, **((refreshed or {}).get(_key(resource)) or {})}
         changed = {k: v for k, v in resource.inputs.items()
-                   if k not in resource.ignore_changes and current.get(k) != v}
+                   if k not in resource.ignore_changes
+                   and _without(current.get(k), k, resource.ignore_changes) != _without(v, k, resource.ignore_changes)}
         if changed:
             updates[_key(resource)] = changed
     return updates
+
+
+_STEP = re.compile(r'\.?([A-Za-z_][A-Za-z0-9_]*)|\[\*\]|\["([^"]+)"\]|\[(\d+)\]')
+
+
+def parse_path(path: str) -> list[str | int | None]:
+    """A Pulumi property path (``spec.rules[*].backendRefs``, ``metadata.annotations["a/b"]``) as steps:
+    a key, a list index, or None for ``[*]`` (every element)."""
+    steps: list[str | int | None] = []
+    pos = 0
+    while pos < len(path):
+        match = _STEP.match(path, pos)
+        if match is None:
+            raise ValueError(f"not a property path: {path!r} (at {path[pos:]!r})")
+        name, quoted, index = match.groups()
+        steps.append(name if name is not None else quoted if quoted is not None else
+                     int(index) if index is not None else None)
+        pos = match.end()
+    return steps
+
+
+def _without(value: Any, top: str, ignored: tuple[str, ...]) -> Any:
+    """``value`` (the input ``top``) with every nested ignore_changes path under ``top`` removed."""
+    result = copy.deepcopy(value)
+    for path in ignored:
+        steps = parse_path(path)
+        if len(steps) > 1 and steps[0] == top:
+            _drop(result, steps[1:])
+    return result
+
+
+def _drop(node: Any, steps: list[str | int | None]) -> None:
+    """Remove the value at ``steps`` below ``node`` (every element where a step is ``[*]``)."""
+    step, rest = steps[0], steps[1:]
+    if step is None and isinstance(node, list):
+        if not rest:
+            node.clear()
+        for child in node:
+            _drop(child, rest)
+    elif isinstance(step, int) and isinstance(node, list) and step < len(node):
+        if rest:
+            _drop(node[step], rest)
+        else:
+            node[step] = None
+    elif isinstance(step, str) and isinstance(node, dict) and step in node:
+        if rest:
+            _drop(node[step], rest)
+        else:
+            del node[step]
 
 
 def key(resource_type: str, name: str) -> str:

@@ -113,3 +113,13 @@ def test_nothing_is_pushed_or_deployed_from_a_pull_request() -> None:
             condition = str(_jobs()[name].get("if", ""))
             upstream_conditions = " ".join(str(_jobs()[u].get("if", "")) for u in _upstream(name))
             assert "github.event_name != 'pull_request'" in condition + upstream_conditions, name
+
+
+def test_every_pulumi_up_refreshes_first() -> None:
+    # Listener and route weights, canary annotations and alarm actions are ignore_changes (the release commands
+    # own them); an update sends the state's values for those, so the state must be the live one
+    # (tests/infra/ops/release/test_release_converges_kubernetes.py shows what a stale state would send).
+    ups = [step for job in ("up-staging", "up-prod") for step in _steps(job)
+           if step.get("uses", "").startswith("pulumi/actions") and step.get("with", {}).get("command") == "up"]
+    assert len(ups) == 2
+    assert all(step["with"].get("refresh") is True for step in ups)

@@ -22,6 +22,10 @@ from infra.components.kubernetes.routing import TrafficSplit, proxy_timeout_s
 GATEWAY_API = "gateway.networking.k8s.io/v1"
 
 
+# Pulumi property path of what the release commands own (ignore_changes)
+ROUTE_BACKENDS = "spec.rules[*].backendRefs"
+
+
 @dataclass(frozen=True)
 class GatewayRoutingArgs:
     namespace: pulumi.Input[str]
@@ -79,7 +83,9 @@ class GatewayRouting(pulumi.ComponentResource):
             kind="HTTPRoute",
             metadata={"name": "specdeploy", "namespace": args.namespace, "labels": app_labels("routing")},
             spec=route_spec,
-            opts=pulumi.ResourceOptions(parent=self),
+            # the backends and their weights are the release tool's once created (route_patch): a later
+            # `pulumi up` of a stale or recorded stack file leaves the live split alone
+            opts=pulumi.ResourceOptions(parent=self, ignore_changes=[ROUTE_BACKENDS]),
         )
 
         self.register_outputs({"host": self.host, "canary_weight": self.canary_weight})

@@ -20,6 +20,14 @@ from infra.config import OPEN_CIDRS, ReleaseSpec
 
 NGINX = "nginx.ingress.kubernetes.io"
 CANARY_WEIGHT_ANNOTATION = f"{NGINX}/canary-weight"
+# Pulumi property paths of the fields the release commands own (ignore_changes)
+BACKENDS = "spec.rules[*].http.paths[*].backend"
+CANARY_RELEASE_FIELDS = [
+    BACKENDS,
+    f'metadata.annotations["{CANARY_WEIGHT_ANNOTATION}"]',
+    f'metadata.annotations["{NGINX}/canary-weight-total"]',
+    f'metadata.labels["{SLOT_LABEL}"]',
+]
 
 
 @dataclass(frozen=True)
@@ -86,7 +94,6 @@ class WeightedRouting(pulumi.ComponentResource):
 
     def __init__(self, name: str, args: WeightedRoutingArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("specdeploy:kubernetes:WeightedRouting", name, None, opts)
-        child = pulumi.ResourceOptions(parent=self)
         split = args.split
         self.host = args.host
         self.canary_weight = split.canary_weight
@@ -108,6 +115,11 @@ class WeightedRouting(pulumi.ComponentResource):
                 result["tls"] = [tls]
             return result
 
+        # Which Service each Ingress sends to, the canary's slot label and its weight are the release tool's
+        # once created (`specdeploy rollout|rollback` patch the live objects): a later `pulumi up` — of a stale
+        # or a recorded stack file, refreshed or not — must not move traffic. A recorded promotion renders the
+        # same split the other way round (primary -> new slot, canary weight 0) while the live objects keep
+        # primary -> old slot, canary -> new slot at 100; applying it would route through the old slot.
         self.primary = k8s.networking.v1.Ingress(
             f"{name}-ingress",
             metadata={
@@ -117,7 +129,7 @@ class WeightedRouting(pulumi.ComponentResource):
                 "annotations": _primary_annotations(args),
             },
             spec=ingress_spec(split.active_service),
-            opts=child,
+            opts=pulumi.ResourceOptions(parent=self, ignore_changes=[BACKENDS]),
         )
 
         self.canary = None
@@ -135,7 +147,7 @@ class WeightedRouting(pulumi.ComponentResource):
                     },
                 },
                 spec=ingress_spec(split.idle_service),
-                opts=child,
+                opts=pulumi.ResourceOptions(parent=self, ignore_changes=CANARY_RELEASE_FIELDS),
             )
 
         self.register_outputs({"host": self.host, "canary_weight": self.canary_weight})
