@@ -16,6 +16,7 @@ from infra.components.aws.image_repository import ImageRepository, ImageReposito
 from infra.components.aws.load_balancer import LoadBalancer
 from infra.components.aws.model_store import ModelStore, ModelStoreArgs, split_s3_uri
 from infra.components.aws.network import Network
+from infra.components.aws.release_access import ReleaseOperatorPolicy, ReleaseOperatorPolicyArgs
 from infra.components.aws.secrets import ApiKeySecret, ApiKeySecretArgs
 from infra.config import SLOTS, StackConfig
 from infra.program import aws_args
@@ -43,6 +44,8 @@ def deploy_aws(config: StackConfig, stack: str, region: str) -> dict[str, pulumi
             ), opts=pulumi.ResourceOptions(depends_on=[store]))
     alerting = Alerting("alerts", aws_args.alerting(config, stack, region, lb, fleets,
                                                     actions_enabled=not missing.get(config.slots.active)))
+    release = ReleaseOperatorPolicy("release", ReleaseOperatorPolicyArgs(
+        stack=stack, listener_arn=lb.listener_arn, alarm_arns=alerting.alarm_arns, bucket_name=store.bucket_name))
     return {
         "platform": "aws",
         "endpoint": lb.endpoint,
@@ -56,6 +59,7 @@ def deploy_aws(config: StackConfig, stack: str, region: str) -> dict[str, pulumi
         "asg_names": {slot: f.asg_name for slot, f in fleets.items()},
         "alarm_names": alerting.alarm_names,
         "dashboard_name": alerting.dashboard_name,
+        "release_policy_arn": release.policy_arn,  # attach to the role that runs specdeploy rollout/rollback
         "active_slot": config.slots.active,
         "canary_weight": config.slots.canary_weight,
         "instance_type": capacity.instance.name,

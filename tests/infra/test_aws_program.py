@@ -14,7 +14,8 @@ from infra.ops.preview import PreviewResult, record_stack
 
 StackFn = Callable[[str], PreviewResult]
 STACKS = ("dev", "staging", "prod")
-COMPONENTS = {"ModelStore", "Network", "ImageRepository", "ApiKeySecret", "LoadBalancer", "GpuFleet", "Alerting"}
+COMPONENTS = {"ModelStore", "Network", "ImageRepository", "ApiKeySecret", "LoadBalancer", "GpuFleet", "Alerting",
+              "ReleaseOperatorPolicy"}
 
 
 @pytest.mark.parametrize("stack", STACKS)

@@ -117,6 +117,7 @@ def _queries(rule: AlertRule, args: AlertingArgs, slot: str) -> tuple[list[dict[
 
 class Alerting(pulumi.ComponentResource):
     alarm_names: dict[str, pulumi.Output[list[str]]]  # slot -> its alarms
+    alarm_arns: pulumi.Output[list[str]]  # every alarm of every slot
     topic_arns: dict[str, pulumi.Output[str]]
     dashboard_name: pulumi.Output[str]
 
@@ -127,6 +128,7 @@ class Alerting(pulumi.ComponentResource):
                   for slot in sorted(args.asg_names)}
         dashboard = self._dashboard(name, args)
         self.alarm_names = {slot: pulumi.Output.all(*[alarm.name for alarm in made]) for slot, made in alarms.items()}
+        self.alarm_arns = pulumi.Output.all(*[alarm.arn for made in alarms.values() for alarm in made])
         self.topic_arns = {severity: topic.arn for severity, topic in topics.items()}
         self.dashboard_name = dashboard.dashboard_name
         self.register_outputs({"alarm_names": self.alarm_names, "topic_arns": self.topic_arns,

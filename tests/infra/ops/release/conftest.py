@@ -155,6 +155,18 @@ def aws_release(aws_world: AwsRelease) -> AwsRelease:
     aws_world.calls.clear()
     return aws_world
 
+@pytest.fixture
+def s3(aws_release: AwsRelease) -> Iterator[Any]:
+    """An S3 client on the session's moto; the release lock and audit objects are removed afterwards."""
+    import boto3
+
+    client = boto3.client("s3")
+    yield client
+    for prefix in ("release-lock/", "release-audit/"):
+        for item in client.list_objects_v2(Bucket=MODEL_BUCKET, Prefix=prefix).get("Contents", []):
+            client.delete_object(Bucket=MODEL_BUCKET, Key=item["Key"])
+
+
 
 @dataclass
 class SlotServer:

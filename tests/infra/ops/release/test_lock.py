@@ -27,19 +27,8 @@ from infra.ops.release.lock import (
 from infra.ops.release.model import ReleaseError
 from infra.ops.release.state import StateStore, StepLog
 
-from .conftest import MODEL_BUCKET, AwsRelease
+from .conftest import MODEL_BUCKET
 from .test_kubernetes import FakeApiServer, serve_objects
-
-
-@pytest.fixture
-def s3(aws_world: AwsRelease) -> Iterator[Any]:
-    import boto3
-
-    client = boto3.client("s3")
-    yield client
-    for prefix in ("release-lock/", "release-audit/"):
-        for item in client.list_objects_v2(Bucket=MODEL_BUCKET, Prefix=prefix).get("Contents", []):
-            client.delete_object(Bucket=MODEL_BUCKET, Key=item["Key"])
 
 
 @pytest.fixture

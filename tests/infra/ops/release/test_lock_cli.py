@@ -26,17 +26,6 @@ from .conftest import MODEL_BUCKET, AwsRelease, SlotServer
 from .test_kubernetes import FakeApiServer, k8s, serve_objects
 
 
-@pytest.fixture
-def s3(aws_release: AwsRelease) -> Iterator[Any]:
-    import boto3
-
-    client = boto3.client("s3")
-    yield client
-    for prefix in ("release-lock/", "release-audit/"):
-        for item in client.list_objects_v2(Bucket=MODEL_BUCKET, Prefix=prefix).get("Contents", []):
-            client.delete_object(Bucket=MODEL_BUCKET, Key=item["Key"])
-
-
 def rollout_process(aws: AwsRelease, stacks: Path, slot: SlotServer, who: str, state: str) -> subprocess.Popen[str]:
     """`specdeploy rollout` as its own process, as another operator's machine would run it (own state dir)."""
     # As the `specdeploy` script does (`-m infra.ops.cli.main` would run a second copy of the module as __main__).
