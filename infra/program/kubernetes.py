@@ -25,6 +25,7 @@ from infra.components.kubernetes.common import (
 from infra.components.kubernetes.gateway_routing import GatewayRouting, GatewayRoutingArgs
 from infra.components.kubernetes.namespace import ServingNamespace, ServingNamespaceArgs
 from infra.components.kubernetes.observability import ServingObservability, ServingObservabilityArgs
+from infra.components.kubernetes.release_access import ReleaseOperatorRole, ReleaseOperatorRoleArgs
 from infra.components.kubernetes.release_slot import ReleaseSlot, ReleaseSlotArgs
 from infra.components.kubernetes.routing import TrafficSplit, WeightedRouting, WeightedRoutingArgs, traffic_split
 from infra.components.kubernetes.security import ServingGuards, ServingGuardsArgs
@@ -42,6 +43,7 @@ class KubernetesStack:
     autoscaler: QueueAutoscaler
     guards: ServingGuards
     observability: ServingObservability
+    release_access: ReleaseOperatorRole
 
     def exports(self) -> dict[str, pulumi.Output]:
         spec = kubernetes_spec(self.config)
@@ -57,6 +59,7 @@ class KubernetesStack:
             "slot_services": pulumi.Output.all(**{slot: c.service_name for slot, c in self.slots.items()}),
             "slot_deployments": pulumi.Output.all(**{slot: c.deployment_name for slot, c in self.slots.items()}),
             "alert_names": pulumi.Output.from_input(self.observability.alert_names),
+            "release_role": self.release_access.role_name,  # bound to the group specdeploy-release
         }
 
 
@@ -86,7 +89,9 @@ def build_kubernetes(config: StackConfig) -> KubernetesStack:
         runbook_base_url=config.alerting.runbook_base_url, prometheus_release=spec.prometheus_release,
         metrics_key_secret=spec.api_key_secret if config.service.metrics_require_auth else None,
     ))
-    return KubernetesStack(config, namespace, slots, routing, autoscaler, guards, observability)
+    release_access = ReleaseOperatorRole("specdeploy-release", ReleaseOperatorRoleArgs(
+        namespace=namespace.name, routing=spec.routing))
+    return KubernetesStack(config, namespace, slots, routing, autoscaler, guards, observability, release_access)
 
 
 def deploy_kubernetes(config: StackConfig) -> dict[str, pulumi.Output]:

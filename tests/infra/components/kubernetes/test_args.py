@@ -26,7 +26,7 @@ def _args_classes() -> list[type]:
 def test_every_component_has_an_args_class() -> None:
     names = {cls.__name__ for cls in _args_classes()}
     assert names == {"QueueAutoscalerArgs", "GatewayRoutingArgs", "ServingNamespaceArgs", "ServingObservabilityArgs",
-                     "ReleaseSlotArgs", "WeightedRoutingArgs", "ServingGuardsArgs"}
+                     "ReleaseSlotArgs", "WeightedRoutingArgs", "ServingGuardsArgs", "ReleaseOperatorRoleArgs"}
 
 
 @pytest.mark.parametrize("args_class", _args_classes(), ids=lambda cls: cls.__name__)

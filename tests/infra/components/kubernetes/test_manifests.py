@@ -79,6 +79,7 @@ def test_prod_renders_every_expected_object(rendered: dict[str, list[dict[str, A
         ("PodDisruptionBudget", "specdeploy-blue"), ("PodDisruptionBudget", "specdeploy-green"),
         ("NetworkPolicy", "specdeploy-server"), ("Ingress", "specdeploy"), ("Ingress", "specdeploy-canary"),
         ("PrometheusRule", "specdeploy-alerts"), ("ServiceMonitor", "specdeploy"),
+        ("Role", "specdeploy-release"), ("RoleBinding", "specdeploy-release"),
     ])
 
 

@@ -252,3 +252,36 @@ def kubeconfig(api_server: Any, tmp_path: Path) -> Path:
         "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}],
     }))
     return path
+
+
+def rbac_request(method: str, path: str) -> tuple[str, str, str, str] | None:
+    """(verb, apiGroup, resource[/subresource], namespace) the API server authorizes a request by; None for a
+    path that is not a namespaced Kubernetes API call (the stand-in also answers as Prometheus)."""
+    parts = [p for p in path.split("/") if p]
+    if parts[:2] == ["api", "v1"]:
+        group, rest = "", parts[2:]
+    elif parts[:1] == ["apis"] and len(parts) > 3:
+        group, rest = parts[1], parts[3:]
+    else:
+        return None
+    if len(rest) < 3 or rest[0] != "namespaces":
+        return None
+    namespace, resource, named = rest[1], rest[2], rest[3:]
+    if len(named) >= 2:  # a subresource: pods/<name>:<port>/proxy/...
+        resource = f"{resource}/{named[1]}"
+    verbs = {"GET": "get" if named else "list", "POST": "create", "PUT": "update", "PATCH": "patch",
+             "DELETE": "delete"}
+    return verbs[method], group, resource, namespace
+
+
+def rbac_check(calls: list[tuple[str, str]], role: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(requests the Role denies, rule grants no request used) for the recorded (method, path) calls."""
+    requests = {r for r in (rbac_request(m, p) for m, p in calls) if r is not None}
+    namespace = role["metadata"]["namespace"]
+    granted = {(verb, group, resource) for rule in role["rules"] for group in rule["apiGroups"]
+               for resource in rule["resources"] for verb in rule["verbs"]}
+    denied = sorted(f"{v} {g or 'core'}/{r} in {ns}" for v, g, r, ns in requests
+                    if (v, g, r) not in granted or ns != namespace)
+    used = {(v, g, r) for v, g, r, _ in requests}
+    unused = sorted(f"{v} {g or 'core'}/{r}" for v, g, r in granted - used)
+    return denied, unused

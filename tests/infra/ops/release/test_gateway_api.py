@@ -20,7 +20,7 @@ from infra.config import load_stack, project_stacks_dir
 from infra.ops.release.kubernetes import HTTPROUTES, route_patch, route_weights, the_route
 from infra.ops.release.model import ReleaseError, weights_to
 
-from .conftest import SlotServer
+from .conftest import SlotServer, rbac_check
 from .test_kubernetes import FAST, FakeApiServer, k8s, merge_patch, serve_objects
 
 SCHEMA = Path(__file__).resolve().parents[2] / "components" / "kubernetes" / "schemas" / "httproute-gateway-v1.json"
@@ -99,7 +99,7 @@ def gateway_copy(prod_copy: Path) -> Path:
 
 def test_rollout_moves_the_route_weights_and_updates_the_stack_file(
         api_server: FakeApiServer, kubeconfig: Path, gateway_copy: Path, slot_server: SlotServer,
-        capsys: pytest.CaptureFixture[str]) -> None:
+        capsys: pytest.CaptureFixture[str], rendered: list[dict[str, Any]]) -> None:
     assert k8s("rollout", gateway_copy, kubeconfig, "--to", "green", "--steps", "50,100",
                "--slot-endpoint", slot_server.url, "--prometheus-url", api_server.url, *FAST) == 0
     assert "via Gateway API HTTPRoute weights in namespace specdeploy" in capsys.readouterr().out
@@ -107,6 +107,12 @@ def test_rollout_moves_the_route_weights_and_updates_the_stack_file(
     assert backends(api_server.objects[ROUTE_PATH]) == [("specdeploy-blue", 0), ("specdeploy-green", 100)]
     release = load_stack("k8s-prod", gateway_copy).config.slots
     assert (release.active, release.canary_weight) == ("green", 0)
+    # every request was one the rendered Role grants (its lock and audit rules are exercised end to end in
+    # test_kubernetes.py; here: the route's own rules, all used)
+    role = next(o for o in rendered if o["kind"] == "Role" and o["metadata"]["name"] == "specdeploy-release")
+    denied, unused = rbac_check(api_server.calls, role)
+    assert denied == []
+    assert [u for u in unused if "httproutes" in u] == []
 
 
 def test_firing_alert_rolls_the_route_back(api_server: FakeApiServer, kubeconfig: Path, gateway_copy: Path,

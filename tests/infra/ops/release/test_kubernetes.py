@@ -37,7 +37,7 @@ from infra.ops.release.kubernetes import (
 from infra.ops.release.model import weights_to
 from tests.loopback import loopback_http, reply_json
 
-from .conftest import SlotServer
+from .conftest import SlotServer, rbac_check
 
 FAST = ["--observe", "0.5s", "--poll", "0.1s", "--skip-validation"]
 
@@ -294,6 +294,39 @@ def test_rollback_is_one_patch_of_the_canary_ingress(api_server: FakeApiServer, 
                  str(prod_copy.parent / "state"), "--kubeconfig", str(kubeconfig)]) == 0
     release = load_stack("k8s-prod", prod_copy).config.slots
     assert (release.active, release.canary_weight) == ("blue", 0)  # the committed 10 % canary is gone
+
+
+def test_the_rendered_role_admits_every_request_of_a_release_and_nothing_more(
+        api_server: FakeApiServer, kubeconfig: Path, prod_copy: Path, slot_server: SlotServer,
+        rendered: list[dict[str, Any]]) -> None:
+    """The Role the stack renders for `specdeploy-release` against every request a rollout (gated on the
+    pods' metrics through the API proxy and on Prometheus), a rollback, a record and an unlock send."""
+    role = next(o for o in rendered if o["kind"] == "Role" and o["metadata"]["name"] == "specdeploy-release")
+    binding = next(o for o in rendered if o["kind"] == "RoleBinding" and o["metadata"]["name"] == "specdeploy-release")
+    assert binding["roleRef"]["name"] == "specdeploy-release"
+    assert binding["subjects"] == [{"kind": "Group", "apiGroup": "rbac.authorization.k8s.io",
+                                    "name": "specdeploy-release"}]
+    api_server.pod_metrics = slot_server  # no --slot-endpoint: the metrics gate goes through the API proxy
+    # a lock left by a crashed release, expired: the rollout takes it over (a Lease update, as renewals are)
+    from dataclasses import replace
+
+    from infra.ops.release.kubernetes import KubeApi
+    from infra.ops.release.lock import KubeLease, SharedLock, me
+
+    crashed = replace(me("specdeploy rollout --stack k8s-prod --to green"), holder="alice@laptop", pid=4242,
+                      renewed_at=0.0)
+    SharedLock(KubeLease(KubeApi.from_environment(kubeconfig, None), "specdeploy"), crashed,
+               lambda *a, **k: None).acquire()
+    assert k8s("rollout", prod_copy, kubeconfig, "--to", "green", "--steps", "50,100",
+               "--prometheus-url", api_server.url, *FAST) == 0
+    assert k8s("rollback", prod_copy, kubeconfig) == 0
+    assert main(["release", "record", "--stack", "k8s-prod", "--stacks-dir", str(prod_copy), "--state-dir",
+                 str(prod_copy.parent / "state"), "--kubeconfig", str(kubeconfig)]) == 0
+    assert k8s("unlock", prod_copy, kubeconfig) == 0
+    assert any("/proxy" in path for _, path in api_server.calls)
+    denied, unused = rbac_check(api_server.calls, role)
+    assert denied == []
+    assert unused == []
 
 
 def test_unready_deployment_is_refused(api_server: FakeApiServer, kubeconfig: Path, prod_copy: Path,
