@@ -593,8 +593,25 @@ def plan(config: StackConfig, reader: ConfigReader = read_local_config) -> Capac
         chosen = next(f for f in fits if f.instance.name == requested)
         if not chosen.fits:
             raise _does_not_fit(config, estimate, fits, requested)
+    _check_slot_settings(config, chosen.instance, reader)
     return CapacityPlan(requested, estimate, chosen, config.fleet.min_size, config.fleet.max_size, mmu,
                         tuple(sorted(fits, key=lambda f: f.instance.price_per_hour)), config.fleet.capacity_type)
+
+
+def _check_slot_settings(config: StackConfig, instance: InstanceType, reader: ConfigReader) -> None:
+    """Both slots run on the planned instance type: one whose own server settings (release.<slot>.server,
+    e.g. a higher max_concurrency) need more memory than it has is refused, naming the slot."""
+    for slot in ("blue", "green"):
+        serving = config.for_slot(slot)
+        if serving is config:
+            continue
+        fit = check_fit(estimate_memory(serving, reader), instance, config.service.max_memory_utilization)
+        if not fit.fits:
+            raise CapacityError(
+                f"capacity plan: release.{slot}.server does not fit {instance.name}, the type the stack's own "
+                f"settings are planned on: {'; '.join(fit.problems)}. Lower it, or plan the stack for it "
+                "(set the same keys in the stack's section, or fleet.instance_type)"
+            )
 
 
 def weight_cache_gib(estimate: MemoryEstimate) -> int:

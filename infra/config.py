@@ -212,6 +212,16 @@ class SloSpec(StrictModel):
     memory_slope_mb_per_min: float = Field(5.0, gt=0, description="Soak: RSS growth above this is a leak.")
 
 
+class SlotServerSpec(StrictModel):
+    """A slot's own server settings: keys of the stack's `scheduler` / `speculative` sections that differ on
+    this slot. A change made here lands on this slot only, and reaches traffic only through a rollout."""
+
+    scheduler: dict[str, Any] | None = Field(
+        None, description="Keys of `scheduler` (e.g. max_concurrency) this slot serves with instead.")
+    speculative: dict[str, Any] | None = Field(
+        None, description="Keys of `speculative` (e.g. enabled, num_draft_tokens) this slot serves with instead.")
+
+
 class SlotSpec(StrictModel):
     image: str = Field(..., min_length=1, description="Server image, by digest in production.")
     model_version: str = Field(..., description="Weights URI of the model version this slot serves.")
@@ -220,6 +230,10 @@ class SlotSpec(StrictModel):
         None, pattern=r"^ami-[0-9a-f]{8,17}$",
         description="AMI of this slot's instances (aws); default: fleet.ami_id, else resolved from SSM while the "
                     "slot is idle and kept while it carries traffic.",
+    )
+    server: SlotServerSpec | None = Field(
+        None, description="Server settings of this slot over the stack's `scheduler` and `speculative`: the way "
+                          "to canary a config change (set it on the idle slot, `pulumi up`, `specdeploy rollout`).",
     )
 
     @field_validator("model_version", "draft_version")
@@ -411,12 +425,37 @@ class StackConfig(StrictModel):
         return self
 
     def _check_slots_have_drafts(self) -> None:
-        if self.platform == "local" or not self.speculative.uses_draft_model:
-            return
         for name in SLOTS:
             slot = self.slots.slot(name)
-            if slot is not None and slot.draft_version is None:
+            if slot is None:
+                continue
+            serving = self.for_slot(name)  # validates the slot's own server settings
+            if self.platform == "local" or not serving.speculative.uses_draft_model:
+                continue
+            if self.draft is None:
+                raise ValueError(f"release.{name}.server.speculative uses a draft model but no `draft` is configured")
+            if slot.draft_version is None:
                 raise ValueError(f"release.{name}.draft_version is required: speculative.method is 'draft'")
+
+    def for_slot(self, name: str) -> StackConfig:
+        """This stack as slot `name` serves it: its `release.<name>.server` keys over `scheduler` and
+        `speculative`. The same object when the slot has no settings of its own."""
+        spec = self.slots.slot(name)
+        own = spec.server if spec is not None else None
+        if own is None or (not own.scheduler and not own.speculative):
+            return self
+        update: dict[str, Any] = {}
+        for section, model, current in (("scheduler", SchedulerSection, self.scheduler),
+                                        ("speculative", SpeculativeSpec, self.speculative)):
+            keys = getattr(own, section)
+            if not keys:
+                continue
+            try:
+                update[section] = model.model_validate({**current.model_dump(), **keys})
+            except ValidationError as exc:
+                problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+                raise ValueError(f"release.{name}.server.{section}: {problems}") from None
+        return self.model_copy(update=update)
 
     def _check_platform_access(self) -> None:
         open_cidrs = OPEN_CIDRS & set(self.access.allowed_cidrs)

@@ -79,7 +79,10 @@ def boot(config: StackConfig, stack: str, region: str, slot: str, spec: SlotSpec
         model_uri=spec.model_version, draft_uri=spec.draft_version,
         model_dir=f"{MODEL_CACHE_DIR}/target", draft_dir=f"{MODEL_CACHE_DIR}/draft" if spec.draft_version else None,
         cache_dir=MODEL_CACHE_DIR,
-        server_config_yaml=render_server_config(config, api_keys_file=f"{SECRETS_DIR}/api_keys").to_yaml(),
+        # the slot's own server settings (release.<slot>.server) over the stack's: a change on the idle slot
+        # rewrites only its launch template
+        server_config_yaml=render_server_config(config.for_slot(slot),
+                                                api_keys_file=f"{SECRETS_DIR}/api_keys").to_yaml(),
         secret_id=f"specdeploy/{stack}/api-keys", log_group=server_logs, prometheus_log_group=metric_logs,
         port=config.service.port, drain_grace_s=config.service.drain_grace_s, ready_timeout_s=config.fleet.warmup_s,
         driver_min=config.fleet.nvidia_driver_min, metrics_require_auth=config.service.metrics_require_auth,

@@ -110,9 +110,10 @@ def slot_args(config: StackConfig, slot: str, namespace: ServingNamespace) -> Re
     spec = config.slots.slot(slot)
     if spec is None:
         raise ValueError(f"release.{slot} is not defined")
-    draft_version = spec.draft_version if config.uses_draft_model else None
+    serving = config.for_slot(slot)  # release.<slot>.server over the stack's scheduler / speculative
+    draft_version = spec.draft_version if serving.uses_draft_model else None
     server_yaml = render_server_config(
-        config,
+        serving,
         model_path=cache_dir(spec.model_version),
         draft_path=cache_dir(draft_version) if draft_version else None,
         api_keys_file=f"{SECRETS_DIR}/{API_KEYS_SECRET_KEY}",
