@@ -9,10 +9,11 @@ file names (``runbooks/<name>.md``); thresholds come from the stack's
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from infra.config import StackConfig
+from infra.config import SLOTS, StackConfig
 from serving import metric_names as m
 
 Severity = Literal["warning", "critical"]
@@ -63,10 +64,35 @@ class _Scope:
         return f" by ({', '.join(grouping)}) " if grouping else ""
 
 
+# Kubernetes: percent of requests each slot gets, as recorded in the PrometheusRule `specdeploy-traffic`, which
+# `specdeploy rollout|rollback` rewrite at every shift (as they switch CloudWatch alarm actions on AWS). Every
+# slot-level alert fires only for slots with traffic, so paging follows the live split without a `pulumi up`.
+TRAFFIC_RECORD = "specdeploy:slot_traffic_percent"
+TRAFFIC_RULE_NAME = "specdeploy-traffic"
+
+
+def traffic_rule_groups(namespace: str, weights: Mapping[str, int]) -> list[dict[str, Any]]:
+    """The `specdeploy-traffic` PrometheusRule's groups: one constant series per slot, labelled namespace and slot."""
+    rules = [{"record": TRAFFIC_RECORD, "expr": f"vector({int(weights.get(slot, 0))})",
+              "labels": {"namespace": namespace, "slot": slot}} for slot in SLOTS]
+    return [{"name": "specdeploy-traffic", "rules": rules}]
+
+
 def _scope(config: StackConfig) -> _Scope:
     if config.kubernetes is None:
         return _Scope()
     return _Scope(matchers=(f'namespace="{config.kubernetes.namespace}"',), group=("slot",))
+
+
+def _fleet_below_minimum(scope: _Scope, minimum: int, per_slot: bool) -> str:
+    """Ready servers below the minimum. Kubernetes: per slot carrying traffic, a slot with no ready pod
+    counting 0 (its traffic series supplies the slot), so neither an idle slot's pods hide a dead live slot
+    nor does an idle slot at its floor page."""
+    ready = f"count{scope.by()}({scope.select(m.READY)} == 1)"
+    if not per_slot:
+        return f"({ready} or vector(0)) < {minimum}"
+    traffic = scope.select(TRAFFIC_RECORD)
+    return f"({ready} or on(slot) ({traffic} * 0)) < {minimum} and on(slot) ({traffic} > 0)"
 
 
 def _quantile(scope: _Scope, metric: str, q: float, window: str = "5m") -> str:
@@ -79,9 +105,9 @@ def alert_rules(config: StackConfig) -> list[AlertRule]:
     minutes = a.evaluation_minutes
     min_fleet = config.kubernetes.min_replicas if config.kubernetes else config.fleet.min_size
     scope = _scope(config)
-    # The baseline is the serving slot's: on Kubernetes the active slot's pods alone count,
-    # so a ready idle slot cannot hide an active slot that is down.
-    fleet = _Scope(scope.matchers + ((f'slot="{config.slots.active}"',) if config.kubernetes else ()))
+    # Kubernetes: a slot-level alert fires for slots carrying traffic only (the live split, kept by the
+    # release commands in the `specdeploy-traffic` rule); elsewhere one fleet, nothing to join.
+    live = f" and on(slot) ({scope.select(TRAFFIC_RECORD)} > 0)" if config.kubernetes else ""
     requests = scope.select(f"{m.REQUESTS}_total")
     errors = scope.select(f"{m.REQUESTS}_total", 'status=~"5.."')
     return [
@@ -94,7 +120,7 @@ def alert_rules(config: StackConfig) -> list[AlertRule]:
             for_minutes=minutes,
             promql=(
                 f"sum{scope.by()}(rate({errors}[5m])) / "
-                f"clamp_min(sum{scope.by()}(rate({requests}[5m])), 1e-9) > {a.error_rate_critical:g}"
+                f"clamp_min(sum{scope.by()}(rate({requests}[5m])), 1e-9) > {a.error_rate_critical:g}{live}"
             ),
             server_metrics=(f"{m.REQUESTS}_total",),
             unit="",
@@ -106,7 +132,7 @@ def alert_rules(config: StackConfig) -> list[AlertRule]:
             threshold=a.p99_latency_s,
             comparison=">",
             for_minutes=minutes,
-            promql=f"{_quantile(scope, m.E2E, 0.99)} > {a.p99_latency_s:g}",
+            promql=f"{_quantile(scope, m.E2E, 0.99)} > {a.p99_latency_s:g}{live}",
             server_metrics=(f"{m.E2E}_bucket",),
             unit="s",
         ),
@@ -117,7 +143,7 @@ def alert_rules(config: StackConfig) -> list[AlertRule]:
             threshold=a.p99_ttft_s,
             comparison=">",
             for_minutes=minutes,
-            promql=f"{_quantile(scope, m.TTFT, 0.99)} > {a.p99_ttft_s:g}",
+            promql=f"{_quantile(scope, m.TTFT, 0.99)} > {a.p99_ttft_s:g}{live}",
             server_metrics=(f"{m.TTFT}_bucket",),
             unit="s",
         ),
@@ -128,7 +154,7 @@ def alert_rules(config: StackConfig) -> list[AlertRule]:
             threshold=float(a.queue_length_warn),
             comparison=">",
             for_minutes=minutes,
-            promql=f"max{scope.by()}({scope.select(m.WAITING)}) > {a.queue_length_warn}",
+            promql=f"max{scope.by()}({scope.select(m.WAITING)}) > {a.queue_length_warn}{live}",
             server_metrics=(m.WAITING,),
         ),
         AlertRule(
@@ -140,7 +166,7 @@ def alert_rules(config: StackConfig) -> list[AlertRule]:
             for_minutes=minutes,
             promql=(
                 f"max{scope.by()}({scope.select(m.GPU_MEMORY_USED)} / clamp_min({scope.select(m.GPU_MEMORY_TOTAL)}, 1))"
-                f" >= {a.gpu_memory_warn_ratio:g}"
+                f" >= {a.gpu_memory_warn_ratio:g}{live}"
             ),
             server_metrics=(m.GPU_MEMORY_USED, m.GPU_MEMORY_TOTAL),
         ),
@@ -151,7 +177,7 @@ def alert_rules(config: StackConfig) -> list[AlertRule]:
             threshold=a.gpu_utilization_high_ratio,
             comparison=">=",
             for_minutes=max(minutes, 15),
-            promql=f"avg{scope.by()}({scope.select(m.GPU_UTILIZATION)}) >= {a.gpu_utilization_high_ratio:g}",
+            promql=f"avg{scope.by()}({scope.select(m.GPU_UTILIZATION)}) >= {a.gpu_utilization_high_ratio:g}{live}",
             server_metrics=(m.GPU_UTILIZATION,),
         ),
         AlertRule(
@@ -161,7 +187,7 @@ def alert_rules(config: StackConfig) -> list[AlertRule]:
             threshold=0,
             comparison=">",
             for_minutes=2,
-            promql=f"count{scope.by()}({scope.select(m.READY)} == 0) > 0",
+            promql=f"count{scope.by()}({scope.select(m.READY)} == 0) > 0{live}",
             server_metrics=(m.READY,),
         ),
         AlertRule(
@@ -172,7 +198,7 @@ def alert_rules(config: StackConfig) -> list[AlertRule]:
             comparison="<",
             for_minutes=5,
             # `or vector(0)`: with every instance gone there is no series left to count.
-            promql=f"(count({fleet.select(m.READY)} == 1) or vector(0)) < {min_fleet}",
+            promql=_fleet_below_minimum(scope, min_fleet, config.kubernetes is not None),
             server_metrics=(m.READY,),
         ),
     ]

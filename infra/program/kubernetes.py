@@ -88,6 +88,7 @@ def build_kubernetes(config: StackConfig) -> KubernetesStack:
         namespace=namespace.name, server_namespace=spec.namespace, rules=alert_rules(config),
         runbook_base_url=config.alerting.runbook_base_url, prometheus_release=spec.prometheus_release,
         metrics_key_secret=spec.api_key_secret if config.service.metrics_require_auth else None,
+        traffic_weights=config.slots.weights(),
     ))
     release_access = ReleaseOperatorRole("specdeploy-release", ReleaseOperatorRoleArgs(
         namespace=namespace.name, routing=spec.routing))

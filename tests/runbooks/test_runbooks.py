@@ -67,7 +67,7 @@ def rendered_alarms() -> dict[str, list[tuple[str, str]]]:
     for obj in render_objects((r.type, r.inputs) for r in k8s.resources):
         if obj["kind"] == "PrometheusRule":
             for group in obj["spec"]["groups"]:
-                for rule in group["rules"]:
+                for rule in (r for r in group["rules"] if "alert" in r):  # specdeploy-traffic only records
                     prometheus.append((rule["alert"], rule.get("annotations", {}).get("runbook_url", "")))
     return {"aws": cloudwatch, "kubernetes": prometheus}
 

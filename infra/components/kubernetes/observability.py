@@ -17,7 +17,7 @@ from typing import Any
 import pulumi
 import pulumi_kubernetes as k8s
 
-from infra.alerts import AlertRule
+from infra.alerts import TRAFFIC_RULE_NAME, AlertRule, traffic_rule_groups
 from infra.components.kubernetes.common import (
     HTTP_PORT_NAME,
     METRICS_KEY_SECRET_KEY,
@@ -40,6 +40,7 @@ class ServingObservabilityArgs:
     runbook_base_url: str
     prometheus_release: str  # kube-prometheus-stack's Helm release: its rule and monitor selector
     metrics_key_secret: str | None  # Secret with the scrape key when /metrics needs auth; None: open
+    traffic_weights: dict[str, int]  # percent per slot when first created (release.weights())
 
 
 def prometheus_rule(rule: AlertRule, runbook_base_url: str) -> dict[str, Any]:
@@ -66,6 +67,7 @@ class ServingObservability(pulumi.ComponentResource):
     """PrometheusRule, ServiceMonitor and the Grafana dashboard ConfigMap."""
 
     rule: k8s.apiextensions.CustomResource
+    traffic: k8s.apiextensions.CustomResource
     service_monitor: k8s.apiextensions.CustomResource
     dashboard: k8s.core.v1.ConfigMap
     alert_names: list[str]
@@ -85,6 +87,17 @@ class ServingObservability(pulumi.ComponentResource):
             metadata={"name": "specdeploy-alerts", "namespace": args.namespace, "labels": selected},
             spec={"groups": [{"name": "specdeploy", "rules": rules}]},
             opts=child,
+        )
+
+        # The live traffic split the alerts join on (infra/alerts.py TRAFFIC_RECORD): created from the stack file,
+        # then rewritten by `specdeploy rollout|rollback` at every shift; `pulumi up` leaves its rules alone.
+        self.traffic = k8s.apiextensions.CustomResource(
+            f"{name}-traffic",
+            api_version=MONITORING_API,
+            kind="PrometheusRule",
+            metadata={"name": TRAFFIC_RULE_NAME, "namespace": args.namespace, "labels": selected},
+            spec={"groups": traffic_rule_groups(args.server_namespace, args.traffic_weights)},
+            opts=pulumi.ResourceOptions(parent=self, ignore_changes=["spec"]),
         )
 
         endpoint: dict[str, Any] = {

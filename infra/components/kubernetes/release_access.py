@@ -7,6 +7,7 @@ the namespace; nothing cluster-wide is granted. The rules are exactly the calls 
 - read and patch the routing: the ingress-nginx Ingresses or the HTTPRoute (list, patch);
 - read the slots' Deployments (readiness) and list their pods (gate endpoints), and read the pods' /metrics
   through the API server's proxy (the metrics gate without a port-forward);
+- the PrometheusRule `specdeploy-traffic` (patch, that object only): the live split the alerts follow;
 - the release lock (a Lease: get, create, update to renew or take over an expired one, delete) and the
   audit ConfigMap (get, create, update).
 
@@ -42,6 +43,8 @@ def release_role_rules(routing: str) -> list[k8s.rbac.v1.PolicyRuleArgsDict]:
         {"api_groups": ["coordination.k8s.io"], "resources": ["leases"],
          "verbs": ["get", "create", "update", "delete"]},
         {"api_groups": [""], "resources": ["configmaps"], "verbs": ["get", "create", "update"]},
+        {"api_groups": ["monitoring.coreos.com"], "resources": ["prometheusrules"], "verbs": ["patch"],
+         "resource_names": ["specdeploy-traffic"]},
     ]
 
 

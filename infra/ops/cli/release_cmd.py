@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from infra.ops.release.lock import Holder, LockBackend
     from infra.ops.release.rollout import Outcome, Release
     from infra.ops.release.targets import TargetOptions
-    from infra.ops.release.traffic import AlarmSource
+    from infra.ops.release.traffic import AlarmActions, AlarmSource
 
 DEFAULT_STATE_DIR = Path(".specdeploy") / "release"
 
@@ -318,7 +318,7 @@ def _connect(stack: StackFile, options: TargetOptions, args: argparse.Namespace,
     holder = _holder(args, stack.name)
     log = StepLog(args.state_dir / f"{stack.name}.jsonl", stack.name, audit, by=f"{holder.holder} pid {holder.pid}")
     alarms: AlarmSource | None = None
-    alarm_actions: CloudWatchAlarms | None = None
+    alarm_actions: AlarmActions | None = None
     if platform == "aws":
         from infra.ops.release import aws
 
@@ -338,6 +338,7 @@ def _connect(stack: StackFile, options: TargetOptions, args: argparse.Namespace,
         spec = stack.config.kubernetes
         namespace = options.namespace or outputs.get(targets.OUT_NAMESPACE) or (spec.namespace if spec else None)
         router = kubernetes.router_for(spec.routing if spec else "ingress-nginx", api, str(namespace))
+        alarm_actions = kubernetes.PrometheusTraffic(api, str(namespace))  # the alerts' live split
         prometheus = options.prometheus_url or env.get(targets.ENV_PROMETHEUS_URL)
         if with_alarms and prometheus:
             from infra.alerts import alert_rules

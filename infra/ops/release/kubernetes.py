@@ -387,6 +387,27 @@ def deployment_status(deployment: Mapping[str, Any]) -> SlotStatus:
     return SlotStatus(ready >= 1 and updated >= wanted and observed, detail)
 
 
+PROMETHEUS_RULES = "/apis/monitoring.coreos.com/v1/namespaces/{}/prometheusrules"
+
+
+class PrometheusTraffic:
+    """Paging follows traffic on Kubernetes: the PrometheusRule `specdeploy-traffic` records each slot's share,
+    and every slot-level alert joins on it (infra/alerts.py). One merge PATCH after each shift, as the AWS
+    commands switch alarm actions; `pulumi up` leaves the rule's spec alone (ignore_changes)."""
+
+    def __init__(self, api: Any, namespace: str, server_namespace: str | None = None) -> None:
+        self.api = api
+        self.namespace = namespace
+        self.server_namespace = server_namespace or namespace  # the `namespace` label the alerts select
+
+    def follow(self, weights: Weights) -> dict[str, bool]:
+        from infra.alerts import TRAFFIC_RULE_NAME, traffic_rule_groups
+
+        path = f"{PROMETHEUS_RULES.format(self.namespace)}/{TRAFFIC_RULE_NAME}"
+        self.api.merge_patch(path, {"spec": {"groups": traffic_rule_groups(self.server_namespace, weights)}})
+        return {str(slot): int(weights.get(slot, 0)) > 0 for slot in SLOTS}
+
+
 class PrometheusAlerts:
     """The stack's PrometheusRule alerts, as Prometheus evaluates them (``/api/v1/alerts``)."""
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from infra.alerts import TRAFFIC_RECORD
 from infra.config import load_stack
 from infra.ops.k8s_render import render_objects
 from infra.ops.preview import record_stack
@@ -29,11 +30,14 @@ def aws_alarms() -> dict[str, tuple[str, float]]:
 @pytest.fixture(scope="module")
 def k8s_rules() -> dict[str, tuple[str, float]]:
     objects = render_objects((r.type, r.inputs) for r in record_stack("k8s-prod").resources)
-    [rule_object] = [o for o in objects if o["kind"] == "PrometheusRule"]
+    [rule_object] = [o for o in objects
+                     if o["kind"] == "PrometheusRule" and o["metadata"]["name"] == "specdeploy-alerts"]
     rules: list[dict[str, Any]] = rule_object["spec"]["groups"][0]["rules"]
     parsed = {}
     for rule in rules:
-        match = re.search(r"(>=|>|<)\s*([0-9.e+-]+)$", rule["expr"])
+        # the comparison, before the join that limits the alert to slots carrying traffic
+        expr = rule["expr"].split(f" and on(slot) ({TRAFFIC_RECORD}")[0]
+        match = re.search(r"(>=|>|<)\s*([0-9.e+-]+)$", expr)
         assert match, rule["expr"]
         parsed[rule["alert"]] = (match[1], float(match[2]))
     return parsed

@@ -59,7 +59,7 @@ def test_built_in_objects_pass_strict_validation(rendered: dict[str, list[dict[s
 @pytest.mark.parametrize("stack", STACKS)
 def test_custom_resources_pass_the_schemas_in_the_repo(rendered: dict[str, list[dict[str, Any]]], stack: str) -> None:
     custom = [m for m in rendered[stack] if m["kind"] in CUSTOM_KINDS]
-    assert sorted(m["kind"] for m in custom) == ["PrometheusRule", "ServiceMonitor"]
+    assert sorted(m["kind"] for m in custom) == ["PrometheusRule", "PrometheusRule", "ServiceMonitor"]
     for manifest in custom:
         jsonschema.Draft202012Validator(_schema(manifest["kind"])).validate(manifest)
 
@@ -80,6 +80,7 @@ def test_prod_renders_every_expected_object(rendered: dict[str, list[dict[str, A
         ("NetworkPolicy", "specdeploy-server"), ("Ingress", "specdeploy"), ("Ingress", "specdeploy-canary"),
         ("PrometheusRule", "specdeploy-alerts"), ("ServiceMonitor", "specdeploy"),
         ("Role", "specdeploy-release"), ("RoleBinding", "specdeploy-release"),
+        ("PrometheusRule", "specdeploy-traffic"),
     ])
 
 
@@ -113,7 +114,8 @@ def test_strict_validation_rejects_a_misspelt_field(rendered: dict[str, list[dic
 
 
 def test_rule_schema_rejects_a_misspelt_field(rendered: dict[str, list[dict[str, Any]]]) -> None:
-    rule = copy.deepcopy(next(m for m in rendered["k8s-prod"] if m["kind"] == "PrometheusRule"))
+    rule = copy.deepcopy(next(m for m in rendered["k8s-prod"] if m["kind"] == "PrometheusRule"
+                              and m["metadata"]["name"] == "specdeploy-alerts"))
     rule["spec"]["groups"][0]["rules"][0]["annotation"] = rule["spec"]["groups"][0]["rules"][0].pop("annotations")
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.Draft202012Validator(_schema("PrometheusRule")).validate(rule)

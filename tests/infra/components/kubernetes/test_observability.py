@@ -21,23 +21,27 @@ _K8S_PROD_RULES = {
     "SpecdeployHighErrorRate": ("critical", "5m",
                                 'sum by (slot) (rate(specdeploy_requests_total{@,status=~"5.."}[5m]))'
                                 ' / clamp_min(sum by (slot) (rate(specdeploy_requests_total{@}[5m])),'
-                                " 1e-9) > 0.01"),
+                                " 1e-9) > 0.01 LIVE"),
     "SpecdeployHighP99Latency": ("warning", "5m", "histogram_quantile(0.99, sum by (slot, le) (rate("
-                                 'specdeploy_e2e_request_latency_seconds_bucket{@}[5m]))) > 30'),
+                                 'specdeploy_e2e_request_latency_seconds_bucket{@}[5m]))) > 30 LIVE'),
     "SpecdeployHighP99Ttft": ("warning", "5m", "histogram_quantile(0.99, sum by (slot, le) (rate("
-                              'specdeploy_time_to_first_token_seconds_bucket{@}[5m]))) > 1.5'),
-    "SpecdeployQueueBacklog": ("warning", "5m", 'max by (slot) (specdeploy_requests_waiting{@}) > 32'),
+                              'specdeploy_time_to_first_token_seconds_bucket{@}[5m]))) > 1.5 LIVE'),
+    "SpecdeployQueueBacklog": ("warning", "5m", 'max by (slot) (specdeploy_requests_waiting{@}) > 32 LIVE'),
     "SpecdeployGpuMemoryHigh": ("warning", "5m", 'max by (slot) (specdeploy_gpu_memory_used_bytes{@}'
-                                ' / clamp_min(specdeploy_gpu_memory_total_bytes{@}, 1)) >= 0.85'),
+                                ' / clamp_min(specdeploy_gpu_memory_total_bytes{@}, 1)) >= 0.85 LIVE'),
     "SpecdeployGpuUtilizationHigh": ("warning", "15m",
-                                     'avg by (slot) (specdeploy_gpu_utilization_ratio{@}) >= 0.95'),
-    "SpecdeployUnhealthyHosts": ("critical", "2m", 'count by (slot) (specdeploy_ready{@} == 0) > 0'),
-    # Blue is k8s-prod's active slot: only its ready pods count towards the baseline.
+                                     'avg by (slot) (specdeploy_gpu_utilization_ratio{@}) >= 0.95 LIVE'),
+    "SpecdeployUnhealthyHosts": ("critical", "2m", 'count by (slot) (specdeploy_ready{@} == 0) > 0 LIVE'),
+    # Per slot carrying traffic (the release commands keep specdeploy-traffic's split): a slot with none of its
+    # pods ready counts 0 through its traffic series, and an idle slot's pods neither count nor page.
     "SpecdeployFleetBelowMinimum": ("critical", "5m",
-                                    '(count(specdeploy_ready{@,slot="blue"} == 1) or vector(0)) < 2'),
+                                    "(count by (slot) (specdeploy_ready{@} == 1) or on(slot) "
+                                    "(specdeploy:slot_traffic_percent{@} * 0)) < 2 LIVE"),
 }
-# `@` stands for the namespace matcher every selection carries.
-K8S_PROD_RULES = {name: (severity, duration, expr.replace("@", 'namespace="specdeploy"'))
+# `@` stands for the namespace matcher every selection carries; LIVE for the join on the live traffic split.
+K8S_PROD_RULES = {name: (severity, duration, expr.replace(" LIVE", " and on(slot) "
+                                                           "(specdeploy:slot_traffic_percent{@} > 0)")
+                         .replace("@", 'namespace="specdeploy"'))
                   for name, (severity, duration, expr) in _K8S_PROD_RULES.items()}
 EXPECTED_PANELS = {"Time to first token", "Time per output token", "Throughput", "Queue", "KV cache usage",
                    "Speculative acceptance rate", "Errors"}
@@ -72,7 +76,8 @@ def test_rule_expressions_and_durations_are_written_for_k8s_prod(prod: Any) -> p
 @pulumi.runtime.test
 def test_rule_thresholds_come_from_the_stack(prod: Any) -> pulumi.Output[None]:
     def check(rules: list[dict[str, Any]]) -> None:
-        by_name = {r["alert"]: r["expr"] for r in rules}
+        live = ' and on(slot) (specdeploy:slot_traffic_percent{namespace="specdeploy"} > 0)'
+        by_name = {r["alert"]: r["expr"].removesuffix(live) for r in rules}
         assert by_name["SpecdeployHighP99Ttft"].endswith("> 1.5")  # alerting.p99_ttft_s in k8s-prod
         assert by_name["SpecdeployHighErrorRate"].endswith("> 0.01")
         assert by_name["SpecdeployFleetBelowMinimum"].endswith("< 2")  # kubernetes.min_replicas
@@ -209,12 +214,31 @@ def test_rules_over_the_serving_signals_fire_per_slot() -> None:
 
 
 @pytest.mark.parametrize("active", ["blue", "green"])
-def test_fleet_below_minimum_counts_the_active_slot_only(active: str) -> None:
+def test_fleet_below_minimum_follows_the_live_split_not_the_stack_file(active: str) -> None:
     config = PROD.model_copy(update={"release": PROD.slots.model_copy(update={"active": active})})
     [fleet] = [r for r in alert_rules(config) if r.name == "SpecdeployFleetBelowMinimum"]
-    [matchers] = _selectors(fleet.promql)["specdeploy_ready"]
-    assert matchers == {'namespace="specdeploy"', f'slot="{active}"'}
-    assert " by (" not in fleet.promql  # one count over the active slot's pods, not one per slot
+    assert fleet.promql == next(r for r in RULES if r.name == "SpecdeployFleetBelowMinimum").promql
+    assert f'slot="{active}"' not in fleet.promql  # no slot fixed at `pulumi up` time
+
+
+def test_the_traffic_rule_records_the_split_the_alerts_join_on(prod: Any) -> pulumi.Output[None]:
+    from infra.alerts import TRAFFIC_RECORD
+
+    def check(spec: dict[str, Any]) -> None:
+        rules = spec["groups"][0]["rules"]
+        assert {(r["record"], r["labels"]["slot"], r["expr"]) for r in rules} == {
+            (TRAFFIC_RECORD, "blue", "vector(90)"), (TRAFFIC_RECORD, "green", "vector(10)")}  # k8s-prod: 10 % canary
+        assert all(r["labels"]["namespace"] == "specdeploy" for r in rules)
+
+    return prod().stack.observability.traffic.spec.apply(check)
+
+
+def test_the_traffic_rule_belongs_to_the_release_commands_once_created() -> None:
+    from infra.ops.preview import record_stack
+
+    [traffic] = [r for r in record_stack("k8s-prod").resources
+                 if r.custom and r.inputs.get("metadata", {}).get("name") == "specdeploy-traffic"]
+    assert traffic.ignore_changes == ("spec",)  # `pulumi up` never rewrites the live split
 
 
 def test_the_slot_and_namespace_labels_the_rules_select_are_put_on_the_series(prod: Any) -> None:

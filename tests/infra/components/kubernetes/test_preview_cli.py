@@ -22,7 +22,8 @@ def test_one_file_per_object_in_apply_order(written: list[Path]) -> None:
     kinds = [yaml.safe_load(p.read_text())["kind"] for p in written]
     assert kinds[0] == "Namespace"
     assert kinds.index("ConfigMap") < kinds.index("Deployment") < kinds.index("HorizontalPodAutoscaler")
-    assert len(written) == 14  # one slot: no PVC (emptyDir cache), no canary Ingress; the release Role + binding
+    # one slot: no PVC (emptyDir cache), no canary Ingress; the release Role + binding, the traffic rule
+    assert len(written) == 15
 
 
 def test_written_built_in_objects_are_strictly_valid(written: list[Path]) -> None:

@@ -129,7 +129,17 @@ class FakeApiServer:
     mutex: threading.Lock = field(default_factory=threading.Lock)  # one write at a time, as etcd orders them
 
     def patches(self) -> list[str]:
-        return [path for method, path in self.calls if method == "PATCH"]
+        """Routing changes (the traffic rule's patches that follow each of them: traffic_patches)."""
+        return [path for method, path in self.calls if method == "PATCH" and "/prometheusrules/" not in path]
+
+    def traffic_patches(self) -> list[str]:
+        return [path for method, path in self.calls if method == "PATCH" and "/prometheusrules/" in path]
+
+    def traffic(self) -> dict[str, int]:
+        """The split the alerts follow: the specdeploy-traffic PrometheusRule's recorded percent per slot."""
+        rule = self.objects["/apis/monitoring.coreos.com/v1/namespaces/specdeploy/prometheusrules/specdeploy-traffic"]
+        return {r["labels"]["slot"]: int(r["expr"].removeprefix("vector(").removesuffix(")"))
+                for r in rule["spec"]["groups"][0]["rules"]}
 
     def canary(self) -> dict[str, Any]:
         return self.objects["/apis/networking.k8s.io/v1/namespaces/specdeploy/ingresses/specdeploy-canary"]
@@ -139,6 +149,7 @@ def _path(obj: dict[str, Any]) -> str:
     meta = obj["metadata"]
     collection = {"Ingress": "/apis/networking.k8s.io/v1/namespaces/{}/ingresses",
                   "HTTPRoute": HTTPROUTES,
+                  "PrometheusRule": "/apis/monitoring.coreos.com/v1/namespaces/{}/prometheusrules",
                   "Deployment": "/apis/apps/v1/namespaces/{}/deployments"}[obj["kind"]]
     return f"{collection.format(meta['namespace'])}/{meta['name']}"
 
@@ -154,7 +165,7 @@ def serve_objects(rendered: list[dict[str, Any]]) -> Iterator[FakeApiServer]:
     """A loopback stand-in for the API server holding the rendered routing objects and Deployments."""
     objects: dict[str, dict[str, Any]] = {}
     for obj in copy.deepcopy(rendered):
-        if obj["kind"] in ("Ingress", "HTTPRoute", "Deployment"):
+        if obj["kind"] in ("Ingress", "HTTPRoute", "Deployment", "PrometheusRule"):
             obj["metadata"]["resourceVersion"] = "1"
             if obj["kind"] == "Deployment":
                 obj["metadata"]["generation"] = 1
@@ -267,6 +278,8 @@ def test_rollout_shifts_the_canary_weight_and_updates_the_stack_file(
                "--slot-endpoint", slot_server.url, "--prometheus-url", api_server.url, *FAST) == 0
     assert canary_weights(api_server.canary()) == {"green": 100, "blue": 0}
     assert len(api_server.patches()) == 2
+    # paging followed each shift without a `pulumi up`: the alerts now watch green only
+    assert len(api_server.traffic_patches()) == 2 and api_server.traffic() == {"green": 100, "blue": 0}
     release = load_stack("k8s-prod", prod_copy).config.slots
     assert (release.active, release.canary_weight) == ("green", 0)
 
@@ -288,6 +301,7 @@ def test_rollback_is_one_patch_of_the_canary_ingress(api_server: FakeApiServer, 
     assert k8s("rollback", prod_copy, kubeconfig) == 0
     assert api_server.patches() == ["/apis/networking.k8s.io/v1/namespaces/specdeploy/ingresses/specdeploy-canary"]
     assert canary_weights(api_server.canary()) == {"green": 0, "blue": 100}
+    assert api_server.traffic() == {"green": 0, "blue": 100}  # green's alerts stop paging at once
     release = load_stack("k8s-prod", prod_copy).config.slots
     assert (release.active, release.canary_weight) == ("blue", 10)  # recording is a separate step
     assert main(["release", "record", "--stack", "k8s-prod", "--stacks-dir", str(prod_copy), "--state-dir",
