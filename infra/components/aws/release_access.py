@@ -9,8 +9,8 @@ release commands make, on this stack's resources only:
 - the stack's CloudWatch alarms: read their state (the rollout gate) and switch their actions (paging follows
   traffic);
 - the release lock object `release-lock/<stack>.json` (conditional writes: Get, Put and Delete) and new
-  objects of the audit trail `release-audit/<stack>/` in the model bucket. Reading the trail back (listing
-  the prefix) is not something the commands do: grant it to whoever reviews it.
+  objects of the audit trail `release-audit/<stack>/` in the model bucket; `s3:ListBucket` on the bucket (key
+  names only), which no command calls but without which S3 answers a read of the free lock with 403, not 404.
 
 `tests/infra/ops/release/test_release_policy.py` records every AWS call a rollout, a rollback, a record and
 an unlock make against moto and checks each against this document, and that the document grants nothing
@@ -52,6 +52,9 @@ def release_policy_document(stack: str, listener_arn: str, alarm_arns: list[str]
              "Resource": [f"{objects}/{LOCK_PREFIX}/{stack}.json"]},
             {"Sid": "AuditTrail", "Effect": "Allow", "Action": ["s3:PutObject"],
              "Resource": [f"{objects}/{AUDIT_PREFIX}/{stack}/*"]},
+            # Never called, but S3 answers GetObject of a missing key with 403 AccessDenied instead of 404 unless
+            # the caller may list the bucket: without it, a free lock would read as "access denied"
+            {"Sid": "FreeLockReadsAsMissing", "Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": [objects]},
         ],
     }
 

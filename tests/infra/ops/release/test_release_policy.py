@@ -116,7 +116,10 @@ def test_the_rendered_policy_admits_every_call_of_a_release_and_nothing_more(
     assert denied == []
     used = {action for call in calls for action, _, _ in authorizations(call, alarm_arns)}
     granted = {a for statement in document["Statement"] for a in statement["Action"]}
-    assert granted == used  # least privilege: nothing granted that a release did not use
+    # least privilege: nothing granted that a release did not use, except ListBucket, which makes S3 answer
+    # the free lock's GetObject with 404 rather than 403 (AWS's rule for missing keys; moto always says 404)
+    assert granted - used == {"s3:ListBucket"}
+    assert used <= granted
 
     # and the grant is this stack's: another stack's lock, audit trail, listener or alarms are refused
     assert not allowed(document, "s3:PutObject", f"arn:aws:s3:::{MODEL_BUCKET}/release-lock/prod-eu.json", {})
