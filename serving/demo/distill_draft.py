@@ -1,11 +1,17 @@
-"""Distil the demo draft (Llama, 1 layer x 128) from the trained target.
+"""Distil the demo draft (Llama, 2 layers x 128) from the trained target.
 
     python -m serving.demo.distill_draft [--target DIR] [--out DIR] [--steps N] [--max-minutes M]
+    python -m serving.demo.distill_draft --grow-from DIR --layers 2 --intermediate 256 ...
 
 The draft learns the target's next-token distribution on training-split windows: forward KL
 from the target's softmax, plus a weighted cross-entropy on the target's greedy token (what a
 greedy verifier accepts). Its embedding starts from the target's, projected onto the top
 principal directions, which gives the tiny model a head start.
+
+`--grow-from` starts from a smaller trained draft instead and keeps what it learnt: embedding, norms and
+every existing layer are copied (an MLP narrowed to `--intermediate` keeps its strongest units), and each
+added layer starts as the identity (its attention output and MLP down projections are zero), so the grown
+draft begins where the small one ended.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import argparse
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 from serving.demo import corpus
 from serving.demo.training import (
@@ -21,6 +28,7 @@ from serving.demo.training import (
     MODELS_DIR,
     TINY_SHAPE,
     Clock,
+    Shape,
     add_common_args,
     cosine_lr,
     encode_files,
@@ -31,6 +39,45 @@ from serving.demo.training import (
 )
 
 log = logging.getLogger(__name__)
+
+
+def grow_draft(source: Any, shape: Shape, tokenizer: Any) -> Any:
+    """A draft of `shape` that computes what `source` (a smaller Llama of the same width) computes."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    src_cfg = source.config
+    if (src_cfg.hidden_size, src_cfg.num_attention_heads, src_cfg.num_key_value_heads) != (
+            shape.hidden, shape.heads, shape.kv_heads):
+        raise ValueError(
+            f"--grow-from keeps the width: the source is {src_cfg.hidden_size} wide with {src_cfg.num_attention_heads}"
+            f"/{src_cfg.num_key_value_heads} heads, the new shape {shape.hidden} with {shape.heads}/{shape.kv_heads}"
+        )
+    if shape.layers < src_cfg.num_hidden_layers:
+        raise ValueError(f"--layers {shape.layers} is fewer than the source's {src_cfg.num_hidden_layers}")
+    grown = LlamaForCausalLM(llama_config(shape, tokenizer))
+    with torch.no_grad():
+        grown.model.embed_tokens.weight.copy_(source.model.embed_tokens.weight)
+        grown.model.norm.weight.copy_(source.model.norm.weight)
+        for i, layer in enumerate(grown.model.layers):
+            if i >= src_cfg.num_hidden_layers:  # a new layer: the identity on the residual stream at first
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+                continue
+            old = source.model.layers[i]
+            layer.self_attn.load_state_dict(old.self_attn.state_dict())
+            layer.input_layernorm.load_state_dict(old.input_layernorm.state_dict())
+            layer.post_attention_layernorm.load_state_dict(old.post_attention_layernorm.state_dict())
+            gate, up, down = old.mlp.gate_proj.weight, old.mlp.up_proj.weight, old.mlp.down_proj.weight
+            keep = min(shape.intermediate, gate.shape[0])
+            # the units that move the residual most: |gate row| x |up row| x |down column|
+            strength = gate.norm(dim=1) * up.norm(dim=1) * down.norm(dim=0)
+            units = strength.topk(keep).indices.sort().values
+            layer.mlp.down_proj.weight.zero_()
+            layer.mlp.gate_proj.weight[:keep] = gate[units]
+            layer.mlp.up_proj.weight[:keep] = up[units]
+            layer.mlp.down_proj.weight[:, :keep] = down[:, units]
+    return grown
 
 
 def distill_draft(args: argparse.Namespace) -> Path:
@@ -50,8 +97,15 @@ def distill_draft(args: argparse.Namespace) -> Path:
     heldout = fixed_windows(encode_files(tokenizer, heldout_files), args.seq_len, limit=16)
 
     shape = TINY_SHAPE if args.tiny else DRAFT_SHAPE
+    if args.layers is not None or args.intermediate is not None:
+        shape = Shape(layers=args.layers or shape.layers, hidden=shape.hidden, heads=shape.heads,
+                      kv_heads=shape.kv_heads, intermediate=args.intermediate or shape.intermediate)
     if args.init_from is not None:  # continue an earlier distillation with a fresh schedule
         draft = LlamaForCausalLM.from_pretrained(str(args.init_from), dtype=torch.float32)
+    elif args.grow_from is not None:
+        source = LlamaForCausalLM.from_pretrained(str(args.grow_from), dtype=torch.float32)
+        draft = grow_draft(source, shape, tokenizer)
+        del source
     else:
         draft = LlamaForCausalLM(llama_config(shape, tokenizer))
         with torch.no_grad():
@@ -66,9 +120,12 @@ def distill_draft(args: argparse.Namespace) -> Path:
     gen = torch.Generator().manual_seed(args.seed)
     clock = Clock(args.steps, args.max_minutes)
     meta: dict[str, object] = {"script": "serving.demo.distill_draft", "seed": args.seed}
-    if args.init_from is not None:
-        previous = args.init_from / "training.json"
-        meta["continued_from"] = json.loads(previous.read_text()) if previous.exists() else str(args.init_from)
+    for key, start in (("continued_from", args.init_from), ("grown_from", args.grow_from)):
+        if start is not None:
+            previous = start / "training.json"
+            meta[key] = json.loads(previous.read_text()) if previous.exists() else str(start)
+    if args.grow_from is not None:
+        meta.update(layers=shape.layers, intermediate=shape.intermediate)
     last_ckpt = 0.0
     step = 0
 
@@ -137,7 +194,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--hard-weight", type=float, default=0.5)
     parser.add_argument("--init-from", type=Path, default=None, help="start from these draft weights")
+    parser.add_argument("--grow-from", type=Path, default=None,
+                        help="start from a smaller draft of the same width, grown to --layers/--intermediate")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers of a new or grown draft")
+    parser.add_argument("--intermediate", type=int, default=None, help="MLP width of a new or grown draft")
     args = parser.parse_args(argv)
+    if args.init_from is not None and args.grow_from is not None:
+        parser.error("--init-from and --grow-from exclude each other")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     distill_draft(args)
 
