@@ -92,7 +92,8 @@ def _fleet_below_minimum(scope: _Scope, minimum: int, per_slot: bool) -> str:
     if not per_slot:
         return f"({ready} or vector(0)) < {minimum}"
     traffic = scope.select(TRAFFIC_RECORD)
-    return f"({ready} or on(slot) ({traffic} * 0)) < {minimum} and on(slot) ({traffic} > 0)"
+    # `sum by (slot)`: the zero of a slot with no ready pod carries the same labels as a count (no namespace)
+    return f"({ready} or on(slot) (sum by (slot) ({traffic}) * 0)) < {minimum} and on(slot) ({traffic} > 0)"
 
 
 def _quantile(scope: _Scope, metric: str, q: float, window: str = "5m") -> str:

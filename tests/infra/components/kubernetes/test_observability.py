@@ -36,7 +36,7 @@ _K8S_PROD_RULES = {
     # pods ready counts 0 through its traffic series, and an idle slot's pods neither count nor page.
     "SpecdeployFleetBelowMinimum": ("critical", "5m",
                                     "(count by (slot) (specdeploy_ready{@} == 1) or on(slot) "
-                                    "(specdeploy:slot_traffic_percent{@} * 0)) < 2 LIVE"),
+                                    "(sum by (slot) (specdeploy:slot_traffic_percent{@}) * 0)) < 2 LIVE"),
 }
 # `@` stands for the namespace matcher every selection carries; LIVE for the join on the live traffic split.
 K8S_PROD_RULES = {name: (severity, duration, expr.replace(" LIVE", " and on(slot) "
