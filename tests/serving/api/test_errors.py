@@ -166,8 +166,9 @@ def test_streaming_error_statuses_come_before_the_stream(server: Any) -> None:
 
 def test_timeout_is_504_and_frees_blocks(small_server: Any) -> None:
     with small_server.client() as client:
+        # top-5 logprobs of every token: more work per token, so 1500 of them cannot fit in the timeout
         response = client.post(COMPLETIONS, json={"model": "tiny", "prompt": "a", "max_tokens": 1500,
-                                                  "ignore_eos": True})
+                                                  "ignore_eos": True, "logprobs": 5})
         assert response.status_code == 504, response.text
         assert response.json()["error"]["code"] == "request_timeout"
         assert client.get("/ready").status_code == 200

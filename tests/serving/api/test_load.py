@@ -170,7 +170,7 @@ def test_sigterm_finishes_in_flight_refuses_new_work_and_exits_zero(
 def test_streams_past_their_deadline_end_with_a_timeout_and_none_hangs(
     small_server: Any, api_keys: dict[str, str]
 ) -> None:
-    """small_server: 1 s timeout, 4 running + 4 queued. Streams that got tokens end with an error event
+    """small_server: 0.5 s timeout, 4 running + 4 queued. Streams that got tokens end with an error event
     (no [DONE]); those that never got a token are refused with a plain 504 (the headers wait for the
     first token); everything is over within seconds and the KV cache is empty afterwards."""
     body = {"model": "tiny", "prompt": "stream", "max_tokens": 1500, "ignore_eos": True, "stream": True}
