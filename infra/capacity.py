@@ -33,7 +33,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from infra.catalog import CATALOG, CATALOG_PRICE_DATE, InstanceType, instance_names, instance_type
-from infra.config import ModelSpec, StackConfig
+from infra.config import SLOTS, ModelSpec, StackConfig
 
 GIB = 1024**3
 MIB = 1024**2
@@ -601,7 +601,7 @@ def plan(config: StackConfig, reader: ConfigReader = read_local_config) -> Capac
 def _check_slot_settings(config: StackConfig, instance: InstanceType, reader: ConfigReader) -> None:
     """Both slots run on the planned instance type: one whose own server settings (release.<slot>.server,
     e.g. a higher max_concurrency) need more memory than it has is refused, naming the slot."""
-    for slot in ("blue", "green"):
+    for slot in SLOTS:
         serving = config.for_slot(slot)
         if serving is config:
             continue

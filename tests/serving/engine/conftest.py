@@ -122,6 +122,19 @@ def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("qwen2"), "qwen2")
 
 
+def both_attention_paths(runner: PagedRunner, seqs: list[SequenceInput]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of every scheduled token through gather + SDPA, then through the paged path (same K/V written)."""
+    model = runner.model
+    out = []
+    for paged in (False, True):
+        model.set_paged_attention(paged)
+        batch = build_forward_batch(seqs, 16, model.args.n_rep, runner.device)
+        with torch.inference_mode():
+            out.append(model.compute_logits(model(batch, runner.cache), batch.logits_index))
+    model.set_paged_attention(False)
+    return out[0], out[1]
+
+
 class EngineTestKit:
     """The helpers above as one fixture (tests cannot import conftest under --import-mode=importlib)."""
 
@@ -130,6 +143,7 @@ class EngineTestKit:
     make_engine = staticmethod(make_engine)
     run_to_completion = staticmethod(run_to_completion)
     PagedRunner = PagedRunner
+    both_attention_paths = staticmethod(both_attention_paths)
 
 
 @pytest.fixture(scope="session")

@@ -10,20 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from serving.engine.batch import SequenceInput, build_forward_batch
-
-
-def both_paths(runner: Any, seqs: list[SequenceInput]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits of every scheduled token through gather + SDPA, then through the paged path (same K/V written)."""
-    model = runner.model
-    out = []
-    for paged in (False, True):
-        model.set_paged_attention(paged)
-        batch = build_forward_batch(seqs, 16, model.args.n_rep, runner.device)
-        with torch.inference_mode():
-            out.append(model.compute_logits(model(batch, runner.cache), batch.logits_index))
-    model.set_paged_attention(False)
-    return out[0], out[1]
+from serving.engine.batch import SequenceInput
 
 
 @pytest.mark.slow
@@ -36,7 +23,7 @@ def test_paged_attention_equals_gathered(llama_dir: Path, kit: Any) -> None:
     table0, table1 = blocks.block_table("0"), blocks.block_table("1")
 
     # prefill of unequal lengths: one padded (non-uniform) group
-    gathered, paged = both_paths(runner, [SequenceInput(prompts[0][:37], 0, table0, list(range(37))),
+    gathered, paged = kit.both_attention_paths(runner, [SequenceInput(prompts[0][:37], 0, table0, list(range(37))),
                                           SequenceInput(prompts[1][:20], 0, table1, list(range(20)))])
     torch.testing.assert_close(paged, gathered, atol=1e-5, rtol=1e-5)
 
@@ -45,7 +32,7 @@ def test_paged_attention_equals_gathered(llama_dir: Path, kit: Any) -> None:
     blocks.allocate("2", 40)
     shared = table0[:2] + blocks.block_table("2")[2:]
     tail = prompts[0][:32] + [5, 6, 7]
-    gathered, paged = both_paths(runner, [SequenceInput(prompts[0][37:40], 37, table0, [0, 1, 2]),
+    gathered, paged = kit.both_attention_paths(runner, [SequenceInput(prompts[0][37:40], 37, table0, [0, 1, 2]),
                                           SequenceInput(prompts[1][20:23], 20, table1, [0, 1, 2]),
                                           SequenceInput(tail[32:35], 32, shared, [0, 1, 2])])
     torch.testing.assert_close(paged, gathered, atol=1e-5, rtol=1e-5)

@@ -67,10 +67,10 @@ def test_fp32_greedy_is_token_identical_to_transformers_on_cuda(kit: Any, llama_
 
 
 def test_paged_flex_attention_equals_gather_and_sdpa_on_cuda(kit: Any, llama_dir: Path) -> None:
-    from serving.engine.batch import SequenceInput, build_forward_batch
+    from serving.engine.batch import SequenceInput
 
     runner = kit.PagedRunner(llama_dir, device="cuda")
-    model, blocks = runner.model, runner.blocks
+    blocks = runner.blocks
     prompts = kit.random_prompts([40, 23], seed=3)
     for sid, n in ((0, 40), (1, 23)):
         blocks.allocate(str(sid), n)
@@ -85,13 +85,8 @@ def test_paged_flex_attention_equals_gather_and_sdpa_on_cuda(kit: Any, llama_dir
          [0, 1, 2]), SequenceInput(tail[32:35], 32, shared, [0, 1, 2])],  # verify-shaped, one shared prefix
     ]
     for seqs in steps:
-        out = []
-        for paged in (False, True):
-            model.set_paged_attention(paged)
-            batch = build_forward_batch(seqs, 16, model.args.n_rep, runner.device)
-            with torch.inference_mode():
-                out.append(model.compute_logits(model(batch, runner.cache), batch.logits_index))
-        torch.testing.assert_close(out[1], out[0], atol=2e-4, rtol=2e-4)
+        gathered, paged = kit.both_attention_paths(runner, seqs)
+        torch.testing.assert_close(paged, gathered, atol=2e-4, rtol=2e-4)
 
 
 def test_cuda_graph_steps_give_the_eager_greedy_tokens(kit: Any, llama_dir: Path) -> None:
