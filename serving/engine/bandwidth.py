@@ -4,8 +4,11 @@ The guide's rule of thumb: one decode step reads every weight once, so a single 
 cannot beat ``HBM bandwidth ÷ weight bytes`` tokens/s. This measures both sides in one run:
 the device's copy bandwidth (a large device-to-device copy: bytes read + written per second)
 and our engine's batch-1 greedy decode tokens/s on a randomly initialised ~1B Llama in bf16,
-and prints JSON with their ratio, for compiled steps with CUDA graphs and without (eager), and for int8
-and fp8 weights (each run's bound uses its own weight bytes). Run it with ``make gpu-check`` (needs CUDA;
+and prints JSON with their ratio, for compiled steps with CUDA graphs ("on": decode steps captured whole,
+attention included; "piecewise": attention between graph pieces) and without ("off", eager), and for int8
+and fp8 weights (each run's bound uses its own weight bytes). Each run also times the forward alone (the
+step's graph replay and lm_head, without scheduling or sampling), which says how much of the gap to the
+bound is the engine's per-step work rather than the kernels. Run it with ``make gpu-check`` (needs CUDA;
 nothing else depends on it).
 """
 
@@ -61,14 +64,38 @@ def build_random_model(directory: Path) -> int:
     return count
 
 
+def forward_ms(engine: LLMEngine, context: int, repeats: int = 200) -> float:
+    """Mean ms of a batch-1 decode forward plus lm_head at `context` cached tokens, as the engine runs it."""
+    from serving.engine.batch import SequenceInput
+
+    bs = engine.block_size
+    # blocks nobody holds (the engine is idle; run last: it writes K/V into them, cached ones included)
+    blocks = list(range(-(-(context + 1) // bs)))
+    with torch.inference_mode():  # as the engine's steps build and run batches (the graphs' guards expect it)
+        batch = engine.builder.build([SequenceInput([1], context, blocks, [0])])
+        for _ in range(5):
+            engine.model.compute_logits(engine.run_forward(batch), batch.logits_index)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            engine.model.compute_logits(engine.run_forward(batch), batch.logits_index)
+        torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - start) / repeats
+
+
 def decode_tokens_per_s(model_dir: Path, new_tokens: int, compile_mode: str, quantization: str) -> dict[str, Any]:
-    """Batch-1 greedy decode tokens/s of one engine configuration, with what its start-up did."""
+    """Batch-1 greedy decode tokens/s of one engine configuration, with what its start-up did.
+
+    compile_mode: on (decode captured whole), piecewise (graphs between attention calls), off (eager)."""
     from torch._dynamo.utils import counters
 
     counters.clear()
     started = time.perf_counter()
-    engine = LLMEngine.from_config(EngineConfig(model=str(model_dir), dtype="bf16", device="cuda", max_num_seqs=1,
-                                                max_model_len=1024, compile=compile_mode, quantization=quantization))
+    engine = LLMEngine.from_config(EngineConfig(
+        model=str(model_dir), dtype="bf16", device="cuda", max_num_seqs=1, max_model_len=1024,
+        compile="off" if compile_mode == "piecewise" else compile_mode, quantization=quantization))
+    if compile_mode == "piecewise":
+        engine.compile_steps(whole_decode=False)
     startup_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     prompt = list(range(1, 17))
@@ -96,27 +123,31 @@ def decode_tokens_per_s(model_dir: Path, new_tokens: int, compile_mode: str, qua
             engine.step()
 
     split = profile_steps(engine, finish, concurrency=1)
+    forward = forward_ms(engine, context=len(prompt) + new_tokens // 2)
     compiled = engine.compiled
     result = {
         "compile": compile_mode,
         "quantization": quantization,
         "weight_bytes": weight_bytes(engine.model),
         "startup_s": round(startup_s, 1),
+        "kv_cache_blocks": engine.cache.num_blocks,
         "compiled_buckets": sorted(compiled.graphs) if compiled is not None else [],
+        "whole_decode_buckets": sorted(compiled.decode_graphs) if compiled is not None else [],
         "cuda_graphs": bool(compiled is not None and compiled.cuda_graphs),
         "cudagraph_skips": int(counters["inductor"].get("cudagraph_skips", 0)),
         "tokens_per_s": round(produced / elapsed, 1),
         "ms_per_token": round(1e3 * elapsed / produced, 3),
+        "forward_ms": round(forward, 3),  # graph replay (or eager forward) + lm_head, no scheduling/sampling
         "profiled_step_ms": {phase: round(getattr(split, f"{phase}_ms"), 3)
                              for phase in ("step", "python", "attention", "matmuls", "sampling")},
-        "compile_decisions": [d.note or ("compiled" if d.compiled else "eager")
+        "compile_decisions": [f"{d.kind} {d.tokens}: " + (d.note or ("compiled" if d.compiled else "eager"))
                               for d in (compiled.decisions if compiled is not None else [])],
     }
     engine.close()
     return result
 
 
-CONFIGS = ("on:none", "off:none", "on:int8", "on:fp8")
+CONFIGS = ("on:none", "piecewise:none", "off:none", "on:int8", "on:fp8")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configs = [tuple(c.split(":")) for c in args.configs.split(",")]
     for config in configs:
-        if len(config) != 2 or config[0] not in ("on", "off", "auto") or config[1] not in ("none", "int8", "fp8"):
+        if len(config) != 2 or config[0] not in ("on", "piecewise", "off", "auto") or config[1] not in ("none", "int8", "fp8"):
             sys.stderr.write(f"bandwidth: bad --configs entry {':'.join(config)!r}: want compile:quantization, "
                              "e.g. on:none or off:int8\n")
             return 2
@@ -145,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             # the bound of each run is its own weight bytes: quantized weights are fewer bytes to read per token
             run["bound_tokens_per_s"] = round(bandwidth / run["weight_bytes"], 1)
             run["fraction_of_bound"] = round(run["tokens_per_s"] / run["bound_tokens_per_s"], 3)
+            run["forward_fraction_of_bound"] = round(1e3 / run["forward_ms"] / run["bound_tokens_per_s"], 3)
             runs.append(run)
             sys.stderr.write(json.dumps(run) + "\n")
     result = {

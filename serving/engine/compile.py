@@ -7,6 +7,14 @@ cache from a context set around the call, writes the real tokens' K/V and attend
 embeddings, norms, projections, RoPE, the MLP — is one graph per bucket over `bucket` rows; padding rows
 (token 0 at position 0) go through the dense layers, are skipped by attention and dropped at the end.
 
+Decode steps (one token per sequence, the whole of batch-1 decoding) can instead be captured whole, attention
+included, when attention reads the paged cache in place (FlexAttention: the engine's path on CUDA). The graph
+takes the rows' block tables padded to a static width and the cached context lengths, reads the cache without
+writing it (`CapturedDecode`: context from the cache plus the new token beside it) and returns the new K/V,
+which the step stores right after the replay. One replay then runs the step's every kernel, instead of the
+per-layer attention calls between graph pieces. Inductor cannot lower the log-sum-exp this needs on CPU
+(torch 2.13), so on CPU the whole-decode path runs only under test backends ("eager", "aot_eager").
+
 Whether compiling pays is measured per bucket at warm-up (eager and compiled step time, side by side) and a
 bucket keeps its compiled graph only if it is faster: on a small CPU model the launch overhead saved can be
 smaller than the guard and wrapper overhead added. On CUDA the compiled graph is captured per bucket with
@@ -70,7 +78,10 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) 
     n = ctx.batch.num_tokens
     block = ctx.model.layers[layer]
     assert isinstance(block, TransformerBlock)
-    real = block.attention.attend(q[:n], k[:n], v[:n], ctx.batch, ctx.cache, layer)
+    # the paged path's FlexAttention is compiled on its own, per new shape (a verify step's queries, a longer
+    # block table): the serving stance that forbids recompiling this step's graph must not forbid that
+    with torch.compiler.set_stance("default"):
+        real = block.attention.attend(q[:n], k[:n], v[:n], ctx.batch, ctx.cache, layer)
     if n == q.shape[0]:
         return real
     out = real.new_zeros(q.shape[0], real.shape[1])
@@ -97,18 +108,33 @@ class BucketDecision:
     compiled_ms: float  # ... and compiled (0 when compiling failed)
     compiled: bool  # the compiled graph is used for this bucket
     note: str = ""
+    kind: str = "step"  # "step": attention between graph pieces; "decode": a decode step captured whole
 
 
 class CompiledForward:
     """Runs a step's forward through the compiled graph of its bucket, or eagerly when it has none."""
 
-    def __init__(self, model: Transformer, buckets: list[int], cuda_graphs: bool | None = None) -> None:
+    def __init__(self, model: Transformer, buckets: list[int], cuda_graphs: bool | None = None,
+                 whole_decode: bool | None = None, max_decode_rows: int | None = None,
+                 backend: str = "inductor") -> None:
         self.model = model
         self.buckets = sorted(buckets)
-        self.cuda_graphs = model.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.backend = backend  # "inductor"; tests use "eager" to trace without code generation
+        self.cuda_graphs = model.device.type == "cuda" and backend == "inductor" if cuda_graphs is None \
+            else cuda_graphs
         self.graphs: dict[int, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
+        # decode steps captured whole: needs attention from the paged cache in place (the engine's CUDA path)
+        if whole_decode is None:
+            whole_decode = model.device.type == "cuda" and model.paged_attention
+        if whole_decode and not model.paged_attention:
+            raise ValueError("whole-decode graphs need paged attention (Transformer.set_paged_attention(True))")
+        self.whole_decode = whole_decode
+        self.max_decode_rows = max_decode_rows or self.buckets[-1]  # a decode step has one row per sequence
+        self.decode_graphs: dict[int, Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self._decode_cache: KVCache | None = None  # the cache the decode graphs read (set at warm-up)
         self.decisions: list[BucketDecision] = []
-        self.steps_compiled = 0  # steps that ran through a compiled graph
+        self.steps_compiled = 0  # steps that ran through a compiled graph (either kind)
+        self.steps_whole_decode = 0  # ... of them, decode steps captured whole
         # every bucket is a recompile of the same code (process-wide setting, made when an engine compiles)
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, len(self.buckets) + 2)
@@ -123,6 +149,17 @@ class CompiledForward:
         n = batch.num_tokens
         bucket = self.bucket_for(n)
         graph = self.graphs.get(bucket) if bucket is not None else None
+        if bucket is not None and bucket in self.decode_graphs and is_decode(batch):
+            try:
+                with torch.compiler.set_stance("fail_on_recompile"):
+                    hidden = self._run_decode(self.decode_graphs[bucket], batch, cache)
+            except Exception as exc:  # as below: this bucket's decode steps run through the other path from now on
+                log.warning("captured %d-row decode step refused (%s); it runs piecewise", bucket, exc)
+                del self.decode_graphs[bucket]
+            else:  # the graph wrote nothing: no K/V of a failed replay can be half-stored
+                self.steps_compiled += 1
+                self.steps_whole_decode += 1
+                return hidden
         if graph is None or bucket is None:
             return self.model(batch, cache)
         try:
@@ -141,10 +178,41 @@ class CompiledForward:
 
         Runs on an engine with no request yet: the dummy steps write K/V into blocks nobody holds."""
         self.decisions = []
+        if self.whole_decode:
+            self._decode_cache = cache
+            if self.cuda_graphs:
+                # the graphs read these in place: static inputs are not copied into the graph's pool per replay
+                for t in (cache.k, cache.v, self.model.rope_cos, self.model.rope_sin):
+                    torch._dynamo.mark_static_address(t)
         with torch.inference_mode():  # as steps run (LLMEngine.execute): inference tensors, no autograd guards
             for bucket in self.buckets:
                 self._warm_up_bucket(bucket, cache, builder, measure)
+                if self.whole_decode and bucket <= self.max_decode_rows:
+                    self._warm_up_decode(bucket, cache, builder, measure)
         return self.decisions
+
+    def _warm_up_decode(self, bucket: int, cache: KVCache, builder: ForwardBatchBuilder, measure: bool) -> None:
+        batch = _dummy_batch(builder, bucket, cache)
+        graph = self._compile_decode(cache)
+        run = functools.partial(self._run_decode, graph, batch, cache)
+        try:
+            for _ in range(3 if self.cuda_graphs else 1):
+                compiled_ms = self._time(run)
+        except Exception as exc:
+            log.warning("capturing the %d-row decode step failed; it runs piecewise: %r", bucket, exc)
+            self.decisions.append(BucketDecision(bucket, 0.0, 0.0, False, f"compile failed: {exc!r}"[:300],
+                                                 "decode"))
+            return
+        if measure:
+            eager_ms, compiled_ms = self._time_side_by_side(functools.partial(self.model, batch, cache), run)
+            keep = eager_ms >= _MIN_GAIN * compiled_ms
+        else:
+            eager_ms, keep = 0.0, True
+        if keep:
+            self.decode_graphs[bucket] = graph
+        self.decisions.append(BucketDecision(bucket, eager_ms, compiled_ms, keep, kind="decode"))
+        log.info("%d-row decode step: eager %.2f ms, captured whole %.2f ms -> %s", bucket, eager_ms, compiled_ms,
+                 "captured" if keep else "not used")
 
     def _warm_up_bucket(self, bucket: int, cache: KVCache, builder: ForwardBatchBuilder, measure: bool) -> None:
         batch = _dummy_batch(builder, bucket, cache)
@@ -177,11 +245,44 @@ class CompiledForward:
         def dense_forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             return model.forward_tokens(input_ids, positions, None, None)
 
-        mode = "reduce-overhead" if self.cuda_graphs else None  # reduce-overhead = CUDA graphs per shape
         compiled: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.compile(
-            dense_forward, fullgraph=True, dynamic=False, mode=mode
+            dense_forward, fullgraph=True, dynamic=False, backend=self.backend, mode=self._mode()
         )
         return compiled
+
+    def _mode(self) -> str | None:
+        if self.backend != "inductor":
+            return None  # modes are inductor's
+        return "reduce-overhead" if self.cuda_graphs else None  # reduce-overhead = CUDA graphs per shape
+
+    def _compile_decode(self, cache: KVCache) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        model = self.model
+
+        def decode_forward(input_ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
+                           ctx_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return model.forward_decode(input_ids, positions, tables, ctx_lens, cache)
+
+        compiled: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = torch.compile(
+            decode_forward, fullgraph=True, dynamic=False, backend=self.backend, mode=self._mode()
+        )
+        return compiled
+
+    def _run_decode(self, graph: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                    batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        if cache is not self._decode_cache:
+            raise RuntimeError("a captured decode step runs on the cache it was captured with only")
+        n = batch.num_tokens
+        bucket = self.bucket_for(n)
+        assert bucket is not None
+        tables, ctx_lens = decode_layout(batch, bucket, -(-self.model.max_model_len // cache.block_size))
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        hidden, new_k, new_v = graph(_pad_rows(batch.input_ids, bucket), _pad_rows(batch.positions, bucket),
+                                     tables, ctx_lens)
+        # the real rows' K/V go to their slots now, before the next replay reuses the graph's output memory;
+        # padding rows (copies of row 0) are not stored
+        cache.write_layers(batch.slot_mapping, new_k[:, :n], new_v[:, :n])
+        return hidden[:n].clone() if self.cuda_graphs else hidden[:n]
 
     def _run(self, graph: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], batch: ForwardBatch,
              cache: KVCache) -> torch.Tensor:
@@ -214,6 +315,36 @@ class CompiledForward:
             eager_ms.append(self._time(eager))
             compiled_ms.append(self._time(compiled))
         return statistics.median(eager_ms), statistics.median(compiled_ms)
+
+
+def is_decode(batch: ForwardBatch) -> bool:
+    """One query token per sequence (decode proper, or a one-token prefill)."""
+    return all(group.max_q == 1 for group in batch.groups)
+
+
+def decode_layout(batch: ForwardBatch, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode batch's block tables [rows, width] int32 and cached context lengths [rows], in flat-row order;
+    rows past the batch's tokens repeat row 0 (they compute row 0's values and are dropped)."""
+    device = batch.input_ids.device
+    tables = torch.zeros(rows, width, dtype=torch.int32, device=device)
+    ctx_lens = torch.empty(rows, dtype=torch.long, device=device)
+    for group in batch.groups:  # decode groups: one row per sequence, contiguous in flat order
+        assert group.seq_lens is not None
+        span = slice(group.token_start, group.token_end)
+        tables[span, : group.block_tables.shape[1]] = group.block_tables
+        ctx_lens[span] = group.seq_lens - 1  # the new token is not in the cache yet
+    n = batch.num_tokens
+    if n < rows:
+        tables[n:] = tables[0]
+        ctx_lens[n:] = ctx_lens[0]
+    return tables, ctx_lens
+
+
+def _pad_rows(t: torch.Tensor, size: int) -> torch.Tensor:
+    """Pad a [T] tensor to size by repeating its first entry."""
+    if t.shape[0] == size:
+        return t
+    return torch.cat([t, t[:1].expand(size - t.shape[0])])
 
 
 def _pad(t: torch.Tensor, size: int) -> torch.Tensor:

@@ -128,14 +128,17 @@ class LLMEngine:
             engine.compile_steps()  # part of start-up: the server reports ready only after it
         return engine
 
-    def compile_steps(self, measure: bool | None = None) -> None:
+    def compile_steps(self, measure: bool | None = None, whole_decode: bool | None = None,
+                      backend: str = "inductor") -> None:
         """Compile (on CUDA: and capture) the forward of every small-step bucket, before any request.
 
         measure (default: on CPU only): time each bucket eager and compiled, keep the compiled graph only
-        where it is faster."""
+        where it is faster. whole_decode (default: with paged attention, i.e. on CUDA): also capture decode
+        steps whole, attention included (serving.engine.compile). backend: torch.compile's ("eager" in tests)."""
         num_drafts = self.config.speculative.num_draft_tokens if self.config.speculative.enabled else 0
         largest = min(self.config.max_num_seqs * (1 + num_drafts), self.config.max_num_batched_tokens)
-        self.compiled = CompiledForward(self.model, buckets_up_to(largest))
+        self.compiled = CompiledForward(self.model, buckets_up_to(largest), whole_decode=whole_decode,
+                                        max_decode_rows=self.config.max_num_seqs, backend=backend)
         self.compiled.warm_up(self.cache, self.builder, self.device.type == "cpu" if measure is None else measure)
 
     def close(self) -> None:

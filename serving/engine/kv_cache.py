@@ -56,6 +56,12 @@ class KVCache:
         self._k_slots[layer].index_copy_(0, slots, k)
         self._v_slots[layer].index_copy_(0, slots, v)
 
+    def write_layers(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store every layer's k/v [n_layers, T, Hkv, D] at flat slots [T] (a decode step captured whole)."""
+        n_layers = self.k.shape[0]
+        self.k.view(n_layers, -1, self.n_kv_heads, self.head_dim).index_copy_(1, slots, k)
+        self.v.view(n_layers, -1, self.n_kv_heads, self.head_dim).index_copy_(1, slots, v)
+
     def layer_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer in place: [num_blocks, block_size, Hkv, D] each (the paged attention path)."""
         return self._k_blocks[layer], self._v_blocks[layer]

@@ -18,6 +18,7 @@ from torch import nn
 
 from serving.engine.batch import AttentionGroup, ForwardBatch
 from serving.engine.kv_cache import KVCache
+from serving.engine.paged_attention import CapturedDecode, paged_attention, paged_block_mask
 from serving.engine.rope import apply_rope, build_rope_cache, compute_inv_freq
 
 SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
@@ -132,11 +133,14 @@ class Attention(nn.Module):
         batch: ForwardBatch | None,
         cache: KVCache | None,
         layer: int,
+        decode: CapturedDecode | None = None,
     ) -> torch.Tensor:
         num_tokens, n_q, n_kv = x.shape[0], self.n_heads, self.n_kv_heads
         qkv = self.wqkv(x).view(num_tokens, n_q + 2 * n_kv, self.head_dim)
         qk = apply_rope(qkv[:, : n_q + n_kv], cos, sin)  # q and k heads rotated together
         q, k, v = qk[:, :n_q], qk[:, n_q:], qkv[:, n_q + n_kv :]  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
+        if decode is not None:  # a decode step captured whole: attention is part of the graph
+            return self.wo(decode.attend(q, k, v, layer))
         if batch is None or cache is None:
             # compiled step (serving.engine.compile): attention is an opaque op that reads the step's batch and
             # cache from its context, so the graph around it has static shapes
@@ -185,8 +189,6 @@ class Attention(nn.Module):
 
     def attend_paged(self, q_pad: torch.Tensor, group: AttentionGroup, cache: KVCache, layer: int) -> torch.Tensor:
         """FlexAttention over the cache blocks in place: [G, Hq, max_q, D] -> [G * max_q, Hq * D]."""
-        from serving.engine.paged_attention import paged_attention, paged_block_mask
-
         if group.block_mask is None:  # once per step: every layer reads the same blocks
             group.block_mask = paged_block_mask(group, cache.num_blocks, cache.block_size)
         k_blocks, v_blocks = cache.layer_blocks(layer)
@@ -225,8 +227,9 @@ class TransformerBlock(nn.Module):
         batch: ForwardBatch | None,
         cache: KVCache | None,
         layer: int,
+        decode: CapturedDecode | None = None,
     ) -> torch.Tensor:
-        attended = self.attention(self.attention_norm(x), cos, sin, batch, cache, layer)
+        attended = self.attention(self.attention_norm(x), cos, sin, batch, cache, layer, decode)
         if self.reduce is not None:  # tensor parallel: sum the ranks' partial row-parallel outputs
             attended = self.reduce(attended)
         h = x + attended
@@ -245,6 +248,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.paged_attention = False  # set_paged_attention
         self.quantization = "none"  # set by the loader: none, int8 or fp8 (serving.engine.quant)
         self.rope_cos = torch.empty(0)  # [max_model_len, D] fp32, indexed by position
         self.rope_sin = torch.empty(0)
@@ -252,6 +256,7 @@ class Transformer(nn.Module):
 
     def set_paged_attention(self, on: bool) -> None:
         """Attend from the paged cache in place (FlexAttention, serving.engine.paged_attention), not gather + SDPA."""
+        self.paged_attention = on
         for layer in self.layers:
             assert isinstance(layer, TransformerBlock)
             layer.attention.paged = on
@@ -278,15 +283,28 @@ class Transformer(nn.Module):
         return self.forward_tokens(batch.input_ids, batch.positions, batch, cache)
 
     def forward_tokens(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch | None, cache: KVCache | None
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch | None, cache: KVCache | None,
+        decode: CapturedDecode | None = None,
     ) -> torch.Tensor:
-        """The layers over [T] tokens; batch and cache None: attention through the compiled step's op."""
+        """The layers over [T] tokens; batch and cache None: attention through the compiled step's op, or with
+        decode, attention inside the graph (a decode step captured whole)."""
         x = self.tok_embeddings(input_ids)  # [T, dim]
         cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # [T, 1, D]
         sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, batch, cache, i)
+            x = layer(x, cos, sin, batch, cache, i, decode)
         return x
+
+    def forward_decode(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, ctx_lens: torch.Tensor,
+        cache: KVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A decode step (one token per row) that reads the cache and does not write it: hidden [G, dim] and the
+        new K and V [L, G, Hkv, D], for the caller to store. tables [G, W] int32, ctx_lens [G]: each row's block
+        table and the tokens cached before its new one. Static shapes only, so it compiles and captures whole."""
+        decode = CapturedDecode(cache.k, cache.v, tables, ctx_lens, self.args.head_dim**-0.5)
+        hidden = self.forward_tokens(input_ids, positions, None, None, decode)
+        return hidden, torch.stack(decode.new_k), torch.stack(decode.new_v)
 
     def compute_logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Final norm and lm_head for the selected rows only; fp32 logits [N, vocab]."""

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from serving.engine.batch import AttentionGroup
 
@@ -35,56 +36,151 @@ def _flex(device_type: str) -> Callable[..., Any]:
     return torch.compile(flex_attention, dynamic=device_type == "cuda")
 
 
-def paged_block_mask(group: AttentionGroup, num_cache_blocks: int, block_size: int) -> Any:
-    """The BlockMask of one group over the whole cache: sequence g reads the blocks of its table only."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    assert group.q_start is not None and group.seq_lens is not None
-    q_start = group.q_start  # [G] position of each sequence's first query row
-    tables = group.block_tables  # [G, B] physical block of each logical block (entries past a context: padding)
+def _inverse_tables(tables: torch.Tensor, ctx_blocks: torch.Tensor, num_cache_blocks: int) -> torch.Tensor:
+    """[G, B] block tables -> [G, num_cache_blocks]: the logical block of each physical block in sequence g's
+    table (-1: not one of its first ctx_blocks[g] blocks). Entries past a context are scattered into a spare
+    last column and dropped. Tensor ops only, so it traces into a compiled graph."""
     g, b = tables.shape
     device = tables.device
-    ctx_blocks = (-(-group.seq_lens // block_size)).to(torch.int32)  # [G] blocks holding the sequence's keys
-    # inverse table: physical block -> logical block of sequence g (-1: not one of its blocks); entries past
-    # the sequence's context are scattered into a spare last column and dropped
     valid = torch.arange(b, device=device)[None, :] < ctx_blocks[:, None]  # [G, B]
     logical_of = torch.full((g, num_cache_blocks + 1), -1, dtype=torch.long, device=device)
-    logical_of.scatter_(1, torch.where(valid, tables, num_cache_blocks), torch.arange(b, device=device).expand(g, b))
-    logical_of = logical_of[:, :num_cache_blocks]
+    logical_of.scatter_(1, torch.where(valid, tables.long(), num_cache_blocks),
+                        torch.arange(b, device=device).expand(g, b))
+    return logical_of[:, :num_cache_blocks]
+
+
+def _block_mask_over_cache(tables: torch.Tensor, ctx_blocks: torch.Tensor, num_cache_blocks: int, block_size: int,
+                           max_q: int, mask_mod: Callable[..., Any]) -> Any:
+    """A BlockMask over the whole cache as one physical sequence: sequence g lists its first ctx_blocks[g] table
+    entries; every listed block goes through mask_mod. mask_mod must be exact by itself: FlexAttention's eager
+    path evaluates it on every (query, key) pair and ignores the block lists."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    g = tables.shape[0]
+    q_blocks = -(-max_q // _Q_BLOCK)
+    kv_num_blocks = ctx_blocks.to(torch.int32)[:, None, None].expand(g, 1, q_blocks).contiguous()  # [G, 1, QB]
+    # the mask spans the whole cache, so its index rows are as wide as the cache; entries past ctx_blocks are unused
+    kv_indices = F.pad(tables.to(torch.int32), (0, num_cache_blocks - tables.shape[1]))  # [G, num_cache_blocks]
+    kv_indices = kv_indices[:, None, None, :].expand(g, 1, q_blocks, num_cache_blocks).contiguous()
+    # no block is declared "full" (mask-free): every listed block goes through the mask function. The empty
+    # full-block arrays are passed anyway: the CPU kernel template does not build without them (torch 2.13)
+    no_full = torch.zeros_like(kv_num_blocks), torch.zeros_like(kv_indices)
+    return BlockMask.from_kv_blocks(
+        kv_num_blocks, kv_indices, *no_full, BLOCK_SIZE=(_Q_BLOCK, block_size), mask_mod=mask_mod,
+        seq_lengths=(max_q, num_cache_blocks * block_size), compute_q_blocks=False,  # forward only
+    )
+
+
+def paged_block_mask(group: AttentionGroup, num_cache_blocks: int, block_size: int) -> Any:
+    """The BlockMask of one group over the whole cache: sequence g reads the blocks of its table only."""
+    assert group.q_start is not None and group.seq_lens is not None
+    q_start = group.q_start  # [G] position of each sequence's first query row
+    ctx_blocks = -(-group.seq_lens // block_size)  # [G] blocks holding the sequence's keys
+    logical_of = _inverse_tables(group.block_tables, ctx_blocks, num_cache_blocks)
 
     def causal_paged(batch: torch.Tensor, head: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> Any:
         logical_block = logical_of[batch, kv_idx // block_size]
         key_pos = logical_block * block_size + kv_idx % block_size
         return (logical_block >= 0) & (key_pos <= q_start[batch] + q_idx)
 
-    q_blocks = -(-group.max_q // _Q_BLOCK)
-    kv_num_blocks = ctx_blocks[:, None, None].expand(g, 1, q_blocks).contiguous()  # [G, 1, QB]
-    # the mask spans the whole cache, so its index rows are as wide as the cache; entries past ctx_blocks are unused
-    kv_indices = torch.zeros(g, 1, q_blocks, num_cache_blocks, dtype=torch.int32, device=device)
-    kv_indices[:, :, :, :b] = tables.to(torch.int32)[:, None, None, :]  # [G, 1, QB, num_cache_blocks]
-    # no block is declared "full" (mask-free): every listed block goes through the mask function. The empty
-    # full-block arrays are passed anyway: the CPU kernel template does not build without them (torch 2.13)
-    no_full = torch.zeros_like(kv_num_blocks), torch.zeros_like(kv_indices)
-    return BlockMask.from_kv_blocks(
-        kv_num_blocks, kv_indices, *no_full, BLOCK_SIZE=(_Q_BLOCK, block_size), mask_mod=causal_paged,
-        seq_lengths=(group.max_q, num_cache_blocks * block_size), compute_q_blocks=False,  # forward only
+    return _block_mask_over_cache(group.block_tables, ctx_blocks, num_cache_blocks, block_size, group.max_q,
+                                  causal_paged)
+
+
+def context_block_mask(tables: torch.Tensor, ctx_lens: torch.Tensor, num_cache_blocks: int, block_size: int) -> Any:
+    """The BlockMask of a decode step whose new tokens are not in the cache yet: row g (one query) sees the
+    ctx_lens[g] cached keys before it, read in place through its block table [G, W]. Traces into a graph."""
+    ctx_blocks = (ctx_lens + block_size - 1) // block_size
+    logical_of = _inverse_tables(tables, ctx_blocks, num_cache_blocks)
+
+    def before_query(batch: torch.Tensor, head: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> Any:
+        logical_block = logical_of[batch, kv_idx // block_size]
+        key_pos = logical_block * block_size + kv_idx % block_size
+        return (logical_block >= 0) & (key_pos < ctx_lens[batch])
+
+    return _block_mask_over_cache(tables, ctx_blocks, num_cache_blocks, block_size, 1, before_query)
+
+
+def _kernel_options(device: torch.device, block_size: int) -> Any:
+    if device.type != "cuda":
+        return None
+    # the Triton kernel's KV tile must divide the mask's KV block (one cache block): its default tiles
+    # (32-128) refuse a 16-token block ("Q and KV block size must be divisible by BLOCK_M and BLOCK_N")
+    return {"BLOCK_N": min(block_size, 64)}
+
+
+def _cache_as_sequence(blocks: torch.Tensor, g: int) -> torch.Tensor:
+    """[num_blocks, block_size, Hkv, D] -> [g, Hkv, num_blocks * block_size, D]: a view, nothing is copied."""
+    num_blocks, block_size, hkv, d = blocks.shape
+    return blocks.view(1, num_blocks * block_size, hkv, d).transpose(1, 2).expand(g, hkv, -1, d)
+
+
+def attend_context_and_self(
+    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
+    block_mask: Any, scale: float,
+) -> torch.Tensor:
+    """One query per row, attending its cached context (in place, through block_mask) and its own new key.
+
+    q [G, Hq, D]; k_new/v_new [G, Hkv, D] (not in the cache yet); k/v_blocks one layer's cache -> [G, Hq * D].
+    The context part comes from FlexAttention with its log-sum-exp; the new key's score joins it by the
+    usual softmax merge, so the result equals attention over context + self without writing the cache first
+    (a captured graph then reads the cache only, and the step writes the new K/V after it)."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    g, hq, d = q.shape
+    hkv = k_new.shape[1]
+    rep = hq // hkv
+    o_ctx, aux = flex_attention(
+        q[:, :, None, :], _cache_as_sequence(k_blocks, g), _cache_as_sequence(v_blocks, g), block_mask=block_mask,
+        scale=scale, enable_gqa=hq != hkv, return_aux=AuxRequest(lse=True),
+        kernel_options=_kernel_options(q.device, k_blocks.shape[1]),
     )
+    assert aux.lse is not None
+    lse_ctx = aux.lse.view(g, hq).float()  # -inf (or very negative) for a row with no context
+    q32 = q.float().view(g, hkv, rep, d)
+    s_self = (q32 * k_new.float()[:, :, None, :]).sum(-1).view(g, hq) * scale
+    top = torch.maximum(lse_ctx, s_self)
+    w_ctx = torch.exp(lse_ctx - top)[..., None]  # [G, Hq, 1]
+    w_self = torch.exp(s_self - top)[..., None]
+    v_self = v_new.float()[:, :, None, :].expand(g, hkv, rep, d).reshape(g, hq, d)
+    # a row without context has w_ctx 0: its (undefined) context output must not leak in as NaN
+    o = torch.where(w_ctx > 0, o_ctx.view(g, hq, d).float() * w_ctx, 0.0) + v_self * w_self
+    return (o / (w_ctx + w_self)).to(q.dtype).reshape(g, hq * d)
 
 
 def paged_attention(
     q_pad: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, block_mask: Any, scale: float
 ) -> torch.Tensor:
     """q_pad [G, Hq, max_q, D]; k/v_blocks [num_blocks, block_size, Hkv, D] (one layer) -> [G, Hq, max_q, D]."""
-    num_blocks, block_size, hkv, d = k_blocks.shape
     g, hq = q_pad.shape[:2]
-    # the cache as one physical sequence, seen by every sequence of the group (a view: nothing is copied)
-    k = k_blocks.view(1, num_blocks * block_size, hkv, d).transpose(1, 2).expand(g, hkv, -1, d)
-    v = v_blocks.view(1, num_blocks * block_size, hkv, d).transpose(1, 2).expand(g, hkv, -1, d)
-    options = None
-    if q_pad.device.type == "cuda":
-        # the Triton kernel's KV tile must divide the mask's KV block (one cache block): its default tiles
-        # (32-128) refuse a 16-token block ("Q and KV block size must be divisible by BLOCK_M and BLOCK_N")
-        options = {"BLOCK_N": min(block_size, 64)}
+    hkv = k_blocks.shape[2]
+    # the cache as one physical sequence, seen by every sequence of the group
+    k, v = _cache_as_sequence(k_blocks, g), _cache_as_sequence(v_blocks, g)
     out: torch.Tensor = _flex(q_pad.device.type)(q_pad, k, v, block_mask=block_mask, scale=scale,
-                                                 enable_gqa=hq != hkv, kernel_options=options)
+                                                 enable_gqa=hq != hkv,
+                                                 kernel_options=_kernel_options(q_pad.device, k_blocks.shape[1]))
     return out
+
+
+class CapturedDecode:
+    """A decode step run as one captured graph (serving.engine.compile): every layer attends its cached context
+    in place and its new token beside it, and hands back the new K/V, which the step writes after the graph.
+
+    Reading the cache and writing it outside keeps the graph free of side effects: the cache is a static input
+    the graph never mutates, and padding rows of a bucket (copies of row 0) write nothing."""
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, ctx_lens: torch.Tensor,
+                 scale: float) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache  # [L, num_blocks, block_size, Hkv, D]
+        num_blocks, block_size = k_cache.shape[1], k_cache.shape[2]
+        self.block_mask = context_block_mask(tables, ctx_lens, num_blocks, block_size)  # one for all layers
+        self.scale = scale
+        self.new_k: list[torch.Tensor] = []  # per layer [G, Hkv, D]
+        self.new_v: list[torch.Tensor] = []
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        """q [G, Hq, D], k/v [G, Hkv, D] of this layer's new tokens -> [G, Hq * D]."""
+        self.new_k.append(k)
+        self.new_v.append(v)
+        return attend_context_and_self(q, k, v, self.k_cache[layer], self.v_cache[layer], self.block_mask,
+                                       self.scale)

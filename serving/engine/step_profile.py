@@ -7,7 +7,8 @@ them back afterwards; nothing in the engine knows about it. Wrapping costs a few
 the device first, so the split is true but the step runs slower than unprofiled.
 
     python    = step − forward − lm_head − sampling − drafting   (what no kernel does: the overhead to cut)
-    attention = KV cache writes + gathers + SDPA, every layer
+    attention = KV cache writes + gathers + SDPA, every layer (a decode step captured whole has its attention
+                inside the graph: only its K/V write is counted here, the rest is in matmuls)
     matmuls   = forward + lm_head − attention  (projections, MLP, norms, RoPE, embeddings)
     sampling  = sampling, draft verification and logprobs
     drafting  = the draft proposer's forwards (speculative engines only)
@@ -60,6 +61,7 @@ class StepTimer:
             (engine, "run_forward", "forward"),
             (engine.model, "compute_logits", "lm_head"),
             (engine.cache, "write", "attention"),
+            (engine.cache, "write_layers", "attention"),
             (engine, "sample_or_verify", "sampling"),
             (engine, "logprobs_of", "sampling"),
         ]

@@ -68,3 +68,103 @@ def test_a_step_goes_to_the_smallest_bucket_that_holds_it(llama_dir: Path, kit: 
     compiled = CompiledForward(runner.model, [4, 1, 2])
     assert [compiled.bucket_for(n) for n in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, None]  # 5 tokens: eager
     assert not compiled.cuda_graphs  # CUDA graphs only on a CUDA device
+
+
+def test_whole_decode_needs_the_paged_attention_path(llama_dir: Path, kit: Any) -> None:
+    from serving.engine.compile import CompiledForward
+
+    runner = kit.PagedRunner(llama_dir)
+    with pytest.raises(ValueError, match="paged attention"):
+        CompiledForward(runner.model, [1, 2], whole_decode=True)
+    assert not CompiledForward(runner.model, [1, 2]).whole_decode  # off by default on CPU
+
+
+def test_a_decode_step_without_writing_the_cache_equals_the_step_that_writes_it(llama_dir: Path, kit: Any) -> None:
+    """forward_decode (the graph of a decode step captured whole) reads the cache and returns the new K/V; stored
+    afterwards, they equal what the eager step wrote, and so do the logits. Rows: a sequence whose new token starts
+    a block, one mid-block, one that shares another's blocks (prefix caching), a one-token prompt (no context)."""
+    from serving.engine.batch import SequenceInput, build_forward_batch
+    from serving.engine.compile import decode_layout
+
+    runner = kit.PagedRunner(llama_dir)
+    model, cache, blocks = runner.model, runner.cache, runner.blocks
+    prompts = kit.random_prompts([32, 21, 40], seed=5)
+    with torch.inference_mode():
+        for sid, n in ((0, 32), (1, 21)):  # prefill what the decode rows read
+            runner.step(prompts, [(sid, 0, n)])
+        blocks.allocate("0", 33)
+        blocks.allocate("1", 22)
+        blocks.allocate("3", 1)
+        blocks.allocate("2", 33)
+        shared = blocks.block_table("0")[:2] + blocks.block_table("2")[2:3]  # two of 0's blocks, then its own
+        seqs = [SequenceInput([prompts[0][0]], 32, blocks.block_table("0"), [0]),
+                SequenceInput([prompts[1][5]], 21, blocks.block_table("1"), [0]),
+                SequenceInput([prompts[2][7]], 32, shared, [0]),
+                SequenceInput([prompts[2][0]], 0, blocks.block_table("3"), [0])]
+        batch = build_forward_batch(seqs, 16, model.args.n_rep, runner.device)
+        model.set_paged_attention(True)
+        before_k, before_v = cache.k.clone(), cache.v.clone()
+        tables, ctx_lens = decode_layout(batch, 8, 512 // 16)  # bucket 8: four padding rows
+        assert sorted(ctx_lens[:4].tolist()) == [0, 21, 32, 32]
+        assert ctx_lens[4:].tolist() == [int(ctx_lens[0])] * 4 and torch.equal(tables[4:], tables[:1].expand(4, -1))
+        hidden, new_k, new_v = model.forward_decode(
+            torch.cat([batch.input_ids, batch.input_ids[:1].expand(4)]),
+            torch.cat([batch.positions, batch.positions[:1].expand(4)]), tables, ctx_lens, cache)
+        assert torch.equal(cache.k, before_k) and torch.equal(cache.v, before_v)  # nothing written
+        cache.write_layers(batch.slot_mapping, new_k[:, :4], new_v[:, :4])
+        captured = model.compute_logits(hidden[:4], batch.logits_index)
+        after_k = cache.k.clone()
+        model.set_paged_attention(False)
+        cache.k.copy_(before_k)
+        cache.v.copy_(before_v)
+        eager = model.compute_logits(model(batch, cache), batch.logits_index)
+    torch.testing.assert_close(captured, eager, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(after_k, cache.k, atol=1e-5, rtol=0)  # layer 1 K: rounding of layer 0
+
+
+@pytest.mark.slow
+def test_decode_steps_captured_whole_give_the_eager_greedy_tokens(llama_dir: Path, kit: Any) -> None:
+    """The whole-decode graphs traced by dynamo (fullgraph, the "eager" backend: inductor cannot lower them on
+    CPU), run through the engine with mixed prefill, decode and one-token prompts: the gather engine's tokens."""
+    settings = {"max_num_seqs": 4, "max_num_batched_tokens": 16, "compile": "off", "kv_block_size": 16}
+    prompts = kit.random_prompts([3, 11, 1, 20, 6], seed=9)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (12, 5, 9, 16, 30)]
+    eager = kit.run_to_completion(kit.make_engine(llama_dir, **settings), prompts, params)
+
+    engine = kit.make_engine(llama_dir, **settings)
+    engine.model.set_paged_attention(True)
+    engine.compile_steps(measure=False, whole_decode=True, backend="eager")
+    compiled = engine.compiled
+    assert compiled is not None
+    assert sorted(compiled.decode_graphs) == [1, 2, 4]
+    assert [d.kind for d in compiled.decisions].count("decode") == 3
+    captured = kit.run_to_completion(engine, prompts, params)
+    assert compiled.steps_whole_decode > 20
+    assert sorted(compiled.decode_graphs) == [1, 2, 4]  # none refused while serving
+    assert captured == eager
+    assert engine.blocks.num_used == 0
+
+
+@pytest.mark.slow
+def test_speculation_with_paged_attention_keeps_every_graph(llama_dir: Path, kit: Any) -> None:
+    """Verify steps run piecewise (FlexAttention compiled per new shape inside the attention op) and plain decode
+    steps whole, in one engine: no graph is refused while serving, and greedy outputs stay."""
+    from serving.engine.config import SpeculativeConfig
+
+    system = kit.random_prompts([40], seed=11)[0]
+    prompts = [system + p for p in kit.random_prompts([5, 9, 2], seed=12)]
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * len(prompts)
+    settings = {"max_num_seqs": 4, "enable_prefix_caching": True, "compile": "off"}
+    plain = kit.run_to_completion(kit.make_engine(llama_dir, **settings), prompts, params)
+    spec = SpeculativeConfig(enabled=True, method="ngram", adaptive=True, num_draft_tokens=3)
+    engine = kit.make_engine(llama_dir, speculative=spec, **settings)
+    engine.model.set_paged_attention(True)
+    engine.compile_steps(measure=False, whole_decode=True, backend="eager")
+    compiled = engine.compiled
+    assert compiled is not None
+    buckets = sorted(compiled.graphs)
+    assert kit.run_to_completion(engine, prompts, params) == plain
+    assert sorted(compiled.graphs) == buckets  # before the fix, the first verify step's bucket was dropped
+    assert compiled.steps_whole_decode > 0 and compiled.steps_compiled > compiled.steps_whole_decode
+    assert engine.stats().spec.num_draft_tokens > 0
+    assert engine.blocks.num_used == 0

@@ -89,23 +89,48 @@ def test_paged_flex_attention_equals_gather_and_sdpa_on_cuda(kit: Any, llama_dir
         torch.testing.assert_close(paged, gathered, atol=2e-4, rtol=2e-4)
 
 
-def test_cuda_graph_steps_give_the_eager_greedy_tokens(kit: Any, llama_dir: Path) -> None:
+@pytest.mark.parametrize("whole_decode", [True, False], ids=["decode-captured-whole", "piecewise"])
+def test_cuda_graph_steps_give_the_eager_greedy_tokens(kit: Any, llama_dir: Path, whole_decode: bool) -> None:
     from torch._dynamo.utils import counters
 
     settings = {"device": "cuda", "dtype": "fp32", "max_num_seqs": 4, "max_num_batched_tokens": 32}
-    prompts = kit.random_prompts([3, 11, 6, 20], seed=7)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (24, 5, 17, 32)]
+    prompts = kit.random_prompts([3, 11, 1, 6, 20], seed=7)  # a one-token prompt: a decode-shaped prefill
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (24, 5, 9, 17, 32)]
     eager = kit.run_to_completion(kit.make_engine(llama_dir, compile="off", **settings), prompts, params)
 
     counters.clear()
-    engine = kit.make_engine(llama_dir, compile="on", **settings)  # compiles and captures at start-up
-    assert engine.compiled is not None and engine.compiled.cuda_graphs
-    assert sorted(engine.compiled.graphs) == [1, 2, 4]
+    if whole_decode:
+        engine = kit.make_engine(llama_dir, compile="on", **settings)  # compiles and captures at start-up
+    else:
+        engine = kit.make_engine(llama_dir, compile="off", **settings)
+        engine.compile_steps(whole_decode=False)
+    compiled = engine.compiled
+    assert compiled is not None and compiled.cuda_graphs
+    assert sorted(compiled.graphs) == [1, 2, 4]
+    assert sorted(compiled.decode_graphs) == ([1, 2, 4] if whole_decode else [])
     assert not counters["inductor"].get("cudagraph_skips"), dict(counters["inductor"])
-    compiled = kit.run_to_completion(engine, prompts, params)
-    assert engine.compiled.steps_compiled > 20
-    assert sorted(engine.compiled.graphs) == [1, 2, 4]
-    assert compiled == eager
+    outputs = kit.run_to_completion(engine, prompts, params)
+    assert compiled.steps_compiled > 20
+    assert (compiled.steps_whole_decode > 20) is whole_decode
+    assert sorted(compiled.graphs) == [1, 2, 4]  # nothing refused while serving
+    assert sorted(compiled.decode_graphs) == ([1, 2, 4] if whole_decode else [])
+    assert outputs == eager
+    assert engine.blocks.num_used == 0
+
+
+def test_captured_decode_with_speculation_and_prefix_caching_on_cuda(kit: Any, llama_dir: Path) -> None:
+    """Verify steps run piecewise and plain decode steps captured whole, in one engine: greedy outputs stay."""
+    from serving.engine.config import SpeculativeConfig
+
+    system = kit.random_prompts([40], seed=11)[0]
+    prompts = [system + p for p in kit.random_prompts([5, 9, 2], seed=12)]
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * len(prompts)
+    settings = {"device": "cuda", "dtype": "fp32", "max_num_seqs": 4, "enable_prefix_caching": True}
+    plain = kit.run_to_completion(kit.make_engine(llama_dir, compile="off", **settings), prompts, params)
+    spec = SpeculativeConfig(enabled=True, method="ngram", adaptive=True, num_draft_tokens=3)
+    engine = kit.make_engine(llama_dir, compile="on", speculative=spec, **settings)
+    assert engine.compiled is not None and engine.compiled.decode_graphs
+    assert kit.run_to_completion(engine, prompts, params) == plain
     assert engine.blocks.num_used == 0
 
 
