@@ -83,7 +83,8 @@ def forward_ms(engine: LLMEngine, context: int, repeats: int = 200) -> float:
     return 1e3 * (time.perf_counter() - start) / repeats
 
 
-def decode_tokens_per_s(model_dir: Path, new_tokens: int, compile_mode: str, quantization: str) -> dict[str, Any]:
+def decode_tokens_per_s(model_dir: Path, new_tokens: int, compile_mode: str, quantization: str,
+                        kv_cache_bytes: int | None = None) -> dict[str, Any]:
     """Batch-1 greedy decode tokens/s of one engine configuration, with what its start-up did.
 
     compile_mode: on (decode captured whole), piecewise (graphs between attention calls), off (eager)."""
@@ -93,7 +94,8 @@ def decode_tokens_per_s(model_dir: Path, new_tokens: int, compile_mode: str, qua
     started = time.perf_counter()
     engine = LLMEngine.from_config(EngineConfig(
         model=str(model_dir), dtype="bf16", device="cuda", max_num_seqs=1, max_model_len=1024,
-        compile="off" if compile_mode == "piecewise" else compile_mode, quantization=quantization))
+        compile="off" if compile_mode == "piecewise" else compile_mode, quantization=quantization,
+        **({"kv_cache_bytes": kv_cache_bytes} if kv_cache_bytes else {})))
     if compile_mode == "piecewise":
         engine.compile_steps(whole_decode=False)
     startup_s = time.perf_counter() - started
@@ -153,6 +155,8 @@ CONFIGS = ("on:none", "piecewise:none", "off:none", "on:int8", "on:fp8")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--kv-cache-gib", type=float, default=None,
+                        help="KV cache size (default: the engine's, most of the free device memory)")
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help="compile:quantization pairs, comma-separated (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -161,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configs = [tuple(c.split(":")) for c in args.configs.split(",")]
     for config in configs:
-        if len(config) != 2 or config[0] not in ("on", "piecewise", "off", "auto") or config[1] not in ("none", "int8", "fp8"):
+        if len(config) != 2 or config[0] not in ("on", "piecewise", "off", "auto") \
+                or config[1] not in ("none", "int8", "fp8"):
             sys.stderr.write(f"bandwidth: bad --configs entry {':'.join(config)!r}: want compile:quantization, "
                              "e.g. on:none or off:int8\n")
             return 2
@@ -170,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         params = build_random_model(Path(tmp))
         for compile_mode, quantization in configs:
-            run = decode_tokens_per_s(Path(tmp), args.new_tokens, compile_mode, quantization)
+            kv_bytes = int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None
+            run = decode_tokens_per_s(Path(tmp), args.new_tokens, compile_mode, quantization, kv_bytes)
             gc.collect()  # the run's engine and its KV cache
             torch.cuda.empty_cache()
             # the bound of each run is its own weight bytes: quantized weights are fewer bytes to read per token

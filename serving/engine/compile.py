@@ -182,7 +182,8 @@ class CompiledForward:
             self._decode_cache = cache
             if self.cuda_graphs:
                 # the graphs read these in place: static inputs are not copied into the graph's pool per replay
-                for t in (cache.k, cache.v, self.model.rope_cos, self.model.rope_sin):
+                k_layers, v_layers = cache.all_layer_blocks()
+                for t in [*k_layers, *v_layers, self.model.rope_cos, self.model.rope_sin]:
                     torch._dynamo.mark_static_address(t)
         with torch.inference_mode():  # as steps run (LLMEngine.execute): inference tensors, no autograd guards
             for bucket in self.buckets:

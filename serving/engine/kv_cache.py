@@ -66,6 +66,10 @@ class KVCache:
         """K and V of one layer in place: [num_blocks, block_size, Hkv, D] each (the paged attention path)."""
         return self._k_blocks[layer], self._v_blocks[layer]
 
+    def all_layer_blocks(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every layer's K and V views (made once, so each keeps its identity: a captured graph's static inputs)."""
+        return self._k_blocks, self._v_blocks
+
     def gather(
         self, layer: int, block_tables: torch.Tensor, key_len: int
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -302,7 +302,7 @@ class Transformer(nn.Module):
         """A decode step (one token per row) that reads the cache and does not write it: hidden [G, dim] and the
         new K and V [L, G, Hkv, D], for the caller to store. tables [G, W] int32, ctx_lens [G]: each row's block
         table and the tokens cached before its new one. Static shapes only, so it compiles and captures whole."""
-        decode = CapturedDecode(cache.k, cache.v, tables, ctx_lens, self.args.head_dim**-0.5)
+        decode = CapturedDecode(*cache.all_layer_blocks(), tables, ctx_lens, self.args.head_dim**-0.5)
         hidden = self.forward_tokens(input_ids, positions, None, None, decode)
         return hidden, torch.stack(decode.new_k), torch.stack(decode.new_v)
 

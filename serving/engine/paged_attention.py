@@ -167,12 +167,15 @@ class CapturedDecode:
     in place and its new token beside it, and hands back the new K/V, which the step writes after the graph.
 
     Reading the cache and writing it outside keeps the graph free of side effects: the cache is a static input
-    the graph never mutates, and padding rows of a bucket (copies of row 0) write nothing."""
+    the graph never mutates, and padding rows of a bucket (copies of row 0) write nothing. Each layer's cache
+    enters the graph as its own view: indexing one [L, ...] tensor inside the graph made inductor use 64-bit
+    indexing once the whole cache passed 2^31 elements, which FlexAttention's Triton template fails to build
+    (torch 2.11, found on an H200 with a 311k-block cache)."""
 
-    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, ctx_lens: torch.Tensor,
-                 scale: float) -> None:
-        self.k_cache, self.v_cache = k_cache, v_cache  # [L, num_blocks, block_size, Hkv, D]
-        num_blocks, block_size = k_cache.shape[1], k_cache.shape[2]
+    def __init__(self, k_layers: list[torch.Tensor], v_layers: list[torch.Tensor], tables: torch.Tensor,
+                 ctx_lens: torch.Tensor, scale: float) -> None:
+        self.k_layers, self.v_layers = k_layers, v_layers  # per layer [num_blocks, block_size, Hkv, D]
+        num_blocks, block_size = k_layers[0].shape[0], k_layers[0].shape[1]
         self.block_mask = context_block_mask(tables, ctx_lens, num_blocks, block_size)  # one for all layers
         self.scale = scale
         self.new_k: list[torch.Tensor] = []  # per layer [G, Hkv, D]
@@ -182,5 +185,5 @@ class CapturedDecode:
         """q [G, Hq, D], k/v [G, Hkv, D] of this layer's new tokens -> [G, Hq * D]."""
         self.new_k.append(k)
         self.new_v.append(v)
-        return attend_context_and_self(q, k, v, self.k_cache[layer], self.v_cache[layer], self.block_mask,
+        return attend_context_and_self(q, k, v, self.k_layers[layer], self.v_layers[layer], self.block_mask,
                                        self.scale)
