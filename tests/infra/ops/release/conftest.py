@@ -254,10 +254,11 @@ def kubeconfig(api_server: Any, tmp_path: Path) -> Path:
     return path
 
 
-def rbac_request(method: str, path: str) -> tuple[str, str, str, str] | None:
-    """(verb, apiGroup, resource[/subresource], namespace) the API server authorizes a request by; None for a
-    path that is not a namespaced Kubernetes API call (the stand-in also answers as Prometheus)."""
-    parts = [p for p in path.split("/") if p]
+def rbac_request(method: str, path: str) -> tuple[str, str, str, str, str | None] | None:
+    """(verb, apiGroup, resource[/subresource], namespace, object name or None) the API server authorizes a
+    request by; None for a path that is not a namespaced Kubernetes API call (the stand-in also answers as
+    Prometheus)."""
+    parts = [p for p in path.split("?")[0].split("/") if p]
     if parts[:2] == ["api", "v1"]:
         group, rest = "", parts[2:]
     elif parts[:1] == ["apis"] and len(parts) > 3:
@@ -271,17 +272,27 @@ def rbac_request(method: str, path: str) -> tuple[str, str, str, str] | None:
         resource = f"{resource}/{named[1]}"
     verbs = {"GET": "get" if named else "list", "POST": "create", "PUT": "update", "PATCH": "patch",
              "DELETE": "delete"}
-    return verbs[method], group, resource, namespace
+    return verbs[method], group, resource, namespace, named[0] if named else None
 
 
 def rbac_check(calls: list[tuple[str, str]], role: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """(requests the Role denies, rule grants no request used) for the recorded (method, path) calls."""
+    """(requests the Role denies, rule grants no request used) for the recorded (method, path) calls.
+
+    As the API server authorizes: a rule admits a request when its verb, API group and resource match, and,
+    if the rule lists resourceNames, the request names one of them (a list or create names no object, so such
+    a rule never admits one)."""
     requests = {r for r in (rbac_request(m, p) for m, p in calls) if r is not None}
     namespace = role["metadata"]["namespace"]
+
+    def admits(rule: dict[str, Any], verb: str, group: str, resource: str, name: str | None) -> bool:
+        names = rule.get("resourceNames") or rule.get("resource_names")
+        return (verb in rule["verbs"] and group in rule["apiGroups"] and resource in rule["resources"]
+                and (not names or name in names))
+
+    denied = sorted(f"{v} {g or 'core'}/{r}{'/' + n if n else ''} in {ns}" for v, g, r, ns, n in requests
+                    if ns != namespace or not any(admits(rule, v, g, r, n) for rule in role["rules"]))
     granted = {(verb, group, resource) for rule in role["rules"] for group in rule["apiGroups"]
                for resource in rule["resources"] for verb in rule["verbs"]}
-    denied = sorted(f"{v} {g or 'core'}/{r} in {ns}" for v, g, r, ns in requests
-                    if (v, g, r) not in granted or ns != namespace)
-    used = {(v, g, r) for v, g, r, _ in requests}
+    used = {(v, g, r) for v, g, r, _, _ in requests}
     unused = sorted(f"{v} {g or 'core'}/{r}" for v, g, r in granted - used)
     return denied, unused

@@ -341,6 +341,13 @@ def test_the_rendered_role_admits_every_request_of_a_release_and_nothing_more(
     denied, unused = rbac_check(api_server.calls, role)
     assert denied == []
     assert unused == []
+    # the PrometheusRule grant is limited to the traffic record by name: the same patch of any other rule,
+    # e.g. the alerts the stack owns, is refused
+    traffic = "/apis/monitoring.coreos.com/v1/namespaces/specdeploy/prometheusrules/specdeploy-traffic"
+    assert ("PATCH", traffic) in api_server.calls
+    other = traffic.replace("specdeploy-traffic", "specdeploy-alerts")
+    assert rbac_check([("PATCH", other)], role)[0] == [
+        "patch monitoring.coreos.com/prometheusrules/specdeploy-alerts in specdeploy"]
 
 
 def test_unready_deployment_is_refused(api_server: FakeApiServer, kubeconfig: Path, prod_copy: Path,
