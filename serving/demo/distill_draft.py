@@ -1,17 +1,21 @@
-"""Distil the demo draft (Llama, 2 layers x 128) from the trained target.
+"""Distil the demo draft (Llama, 2 layers x 128, untied lm_head) from the trained target.
 
     python -m serving.demo.distill_draft [--target DIR] [--out DIR] [--steps N] [--max-minutes M]
-    python -m serving.demo.distill_draft --grow-from DIR --layers 2 --intermediate 256 ...
+                                         [--layers N] [--intermediate N] [--tied/--no-tied]
+    python -m serving.demo.distill_draft --init-from DIR ...   # continue a draft in its own shape
+    python -m serving.demo.distill_draft --grow-from DIR ...   # carry a draft into the shape above
 
 The draft learns the target's next-token distribution on training-split windows: forward KL
 from the target's softmax, plus a weighted cross-entropy on the target's greedy token (what a
-greedy verifier accepts). Its embedding starts from the target's, projected onto the top
-principal directions, which gives the tiny model a head start.
+greedy verifier accepts). A fresh draft's embedding (and untied lm_head) starts from the target's
+embedding, projected onto the top principal directions, which gives the tiny model a head start.
 
-`--grow-from` starts from a smaller trained draft instead and keeps what it learnt: embedding, norms and
-every existing layer are copied (an MLP narrowed to `--intermediate` keeps its strongest units), and each
-added layer starts as the identity (its attention output and MLP down projections are zero), so the grown
-draft begins where the small one ended.
+`--grow-from` starts from a trained draft of the same width instead and keeps what it learnt
+(`grow_draft`): embedding, norms and every existing layer are copied (an MLP narrowed by `--intermediate`
+keeps its strongest units), each added layer starts as the identity (its attention output and MLP down
+projections are zero), and an untied lm_head starts as the source's head (its embedding table if tied),
+so the grown draft begins computing what the source did (tested; exactly so unless the MLP narrows).
+The shape is the draft shape with `--layers`/`--intermediate`/`--tied` applied, as for a fresh draft.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from serving.demo import corpus
 from serving.demo.training import (
@@ -38,11 +43,14 @@ from serving.demo.training import (
     save_checkpoint,
 )
 
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
+
 log = logging.getLogger(__name__)
 
 
-def grow_draft(source: Any, shape: Shape, tokenizer: Any) -> Any:
-    """A draft of `shape` that computes what `source` (a smaller Llama of the same width) computes."""
+def grow_draft(source: LlamaForCausalLM, shape: Shape, tokenizer: Any) -> LlamaForCausalLM:
+    """A draft of `shape` that computes what `source` (a Llama of the same width, no deeper) computes."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -55,10 +63,14 @@ def grow_draft(source: Any, shape: Shape, tokenizer: Any) -> Any:
         )
     if shape.layers < src_cfg.num_hidden_layers:
         raise ValueError(f"--layers {shape.layers} is fewer than the source's {src_cfg.num_hidden_layers}")
+    if shape.tied and not src_cfg.tie_word_embeddings:
+        raise ValueError("the source's lm_head is untied: tying it to the embedding would change what it computes")
     grown = LlamaForCausalLM(llama_config(shape, tokenizer))
     with torch.no_grad():
         grown.model.embed_tokens.weight.copy_(source.model.embed_tokens.weight)
         grown.model.norm.weight.copy_(source.model.norm.weight)
+        if not shape.tied:  # the source's head: its own, or its embedding table when tied
+            grown.lm_head.weight.copy_(source.lm_head.weight)
         for i, layer in enumerate(grown.model.layers):
             if i >= src_cfg.num_hidden_layers:  # a new layer: the identity on the residual stream at first
                 layer.self_attn.o_proj.weight.zero_()
@@ -73,7 +85,7 @@ def grow_draft(source: Any, shape: Shape, tokenizer: Any) -> Any:
             # the units that move the residual most: |gate row| x |up row| x |down column|
             strength = gate.norm(dim=1) * up.norm(dim=1) * down.norm(dim=0)
             units = strength.topk(keep).indices.sort().values
-            layer.mlp.down_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()  # units beyond the source's (a wider MLP) add nothing at first
             layer.mlp.gate_proj.weight[:keep] = gate[units]
             layer.mlp.up_proj.weight[:keep] = up[units]
             layer.mlp.down_proj.weight[:, :keep] = down[:, units]
@@ -97,10 +109,13 @@ def distill_draft(args: argparse.Namespace) -> Path:
     heldout = fixed_windows(encode_files(tokenizer, heldout_files), args.seq_len, limit=16)
 
     shape = TINY_SHAPE if args.tiny else DRAFT_SHAPE
-    if args.layers is not None or args.intermediate is not None:
-        shape = Shape(layers=args.layers or shape.layers, hidden=shape.hidden, heads=shape.heads,
-                      kv_heads=shape.kv_heads, intermediate=args.intermediate or shape.intermediate)
-    if args.init_from is not None:  # continue an earlier distillation with a fresh schedule
+    shape = replace(
+        shape,
+        layers=args.layers or shape.layers,
+        intermediate=args.intermediate or shape.intermediate,
+        tied=shape.tied if args.tied is None else args.tied,
+    )
+    if args.init_from is not None:  # continue an earlier distillation, in its shape, with a fresh schedule
         draft = LlamaForCausalLM.from_pretrained(str(args.init_from), dtype=torch.float32)
     elif args.grow_from is not None:
         source = LlamaForCausalLM.from_pretrained(str(args.grow_from), dtype=torch.float32)
@@ -114,21 +129,26 @@ def distill_draft(args: argparse.Namespace) -> Path:
             u, s, _ = torch.linalg.svd(emb - emb.mean(0), full_matrices=False)
             init = u[:, : shape.hidden] * s[: shape.hidden]  # [vocab, draft_hidden]
             draft.model.embed_tokens.weight.copy_(init * (emb.std() / init.std()))
+            if not shape.tied:
+                draft.lm_head.weight.copy_(draft.model.embed_tokens.weight)
     log.info("draft parameters: %d", sum(p.numel() for p in draft.parameters()))
 
     opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     gen = torch.Generator().manual_seed(args.seed)
     clock = Clock(args.steps, args.max_minutes)
-    meta: dict[str, object] = {"script": "serving.demo.distill_draft", "seed": args.seed}
+    cfg = draft.config
+    meta: dict[str, object] = {
+        "script": "serving.demo.distill_draft",
+        "seed": args.seed,
+        "shape": {"layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
+                  "intermediate": cfg.intermediate_size, "tied": bool(cfg.tie_word_embeddings)},
+    }
     for key, start in (("continued_from", args.init_from), ("grown_from", args.grow_from)):
         if start is not None:
             previous = start / "training.json"
             meta[key] = json.loads(previous.read_text()) if previous.exists() else str(start)
-    if args.grow_from is not None:
-        meta.update(layers=shape.layers, intermediate=shape.intermediate)
     last_ckpt = 0.0
     step = 0
-
     def heldout_agreement() -> float:
         draft.eval()
         hits = total = 0
@@ -193,14 +213,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", type=Path, default=MODELS_DIR / "target")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--hard-weight", type=float, default=0.5)
-    parser.add_argument("--init-from", type=Path, default=None, help="start from these draft weights")
+    parser.add_argument("--init-from", type=Path, default=None,
+                        help="continue these draft weights in their own shape")
     parser.add_argument("--grow-from", type=Path, default=None,
-                        help="start from a smaller draft of the same width, grown to --layers/--intermediate")
+                        help="start from a draft of the same width, carried into the draft shape (grow_draft)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers of a new or grown draft")
     parser.add_argument("--intermediate", type=int, default=None, help="MLP width of a new or grown draft")
+    parser.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None,
+                        help="lm_head shares the embedding table (default: the draft shape's choice)")
     args = parser.parse_args(argv)
     if args.init_from is not None and args.grow_from is not None:
         parser.error("--init-from and --grow-from exclude each other")
+    if args.init_from is not None and (args.layers, args.intermediate, args.tied) != (None, None, None):
+        parser.error("--init-from continues a draft in its own shape; --grow-from carries it into another")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     distill_draft(args)
 

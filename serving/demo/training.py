@@ -26,10 +26,13 @@ class Shape:
     heads: int
     kv_heads: int
     intermediate: int
+    tied: bool = True  # lm_head shares the token embedding table
 
 
 TARGET_SHAPE = Shape(layers=8, hidden=256, heads=8, kv_heads=4, intermediate=704)
-DRAFT_SHAPE = Shape(layers=1, hidden=128, heads=4, kv_heads=2, intermediate=352)
+# Two layers, so the draft can learn copy (induction) heads; a separate lm_head costs nothing per token.
+# MLP 256 keeps it >= 8x cheaper than the target per token (python -m serving.demo.draft_cost).
+DRAFT_SHAPE = Shape(layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256, tied=False)
 TINY_SHAPE = Shape(layers=2, hidden=32, heads=4, kv_heads=2, intermediate=64)
 
 
@@ -47,7 +50,7 @@ def llama_config(shape: Shape, tokenizer: PreTrainedTokenizerBase) -> LlamaConfi
         max_position_embeddings=2048,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
+        tie_word_embeddings=shape.tied,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

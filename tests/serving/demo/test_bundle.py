@@ -9,6 +9,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from serving.demo import draft_path, target_path
+from serving.demo.training import DRAFT_SHAPE
 
 MAX_BUNDLE_MB = 40
 
@@ -34,7 +35,10 @@ def test_target_shape_exercises_gqa():
 def test_draft_shape_and_shared_vocab():
     target = AutoConfig.from_pretrained(str(target_path()))
     draft = AutoConfig.from_pretrained(str(draft_path()))
-    assert (draft.num_hidden_layers, draft.hidden_size) == (1, 128)
+    assert (draft.num_hidden_layers, draft.hidden_size, draft.intermediate_size) == (
+        DRAFT_SHAPE.layers, DRAFT_SHAPE.hidden, DRAFT_SHAPE.intermediate
+    )
+    assert draft.tie_word_embeddings == DRAFT_SHAPE.tied
     assert draft.vocab_size == target.vocab_size
     assert draft.eos_token_id == target.eos_token_id
 
