@@ -80,6 +80,8 @@ class LLMEngine:
         # >= 16 tokens). CPU keeps gather + SDPA, measured 1.4-2.3x faster than FlexAttention on CPU for our
         # group shapes (docs/engine.md)
         model.set_paged_attention(self.device.type == "cuda" and self.block_size >= 16)
+        if speculator is not None and isinstance(speculator.proposer, DraftModelProposer):  # the draft alike
+            speculator.proposer.model.set_paged_attention(model.paged_attention)
         self.tp_group: TensorParallelGroup | None = None  # ranks 1..tp-1 (from_config starts them)
 
     # ---- construction -------------------------------------------------------------------------------
@@ -137,9 +139,13 @@ class LLMEngine:
         steps whole, attention included (serving.engine.compile). backend: torch.compile's ("eager" in tests)."""
         num_drafts = self.config.speculative.num_draft_tokens if self.config.speculative.enabled else 0
         largest = min(self.config.max_num_seqs * (1 + num_drafts), self.config.max_num_batched_tokens)
+        measure = self.device.type == "cpu" if measure is None else measure
         self.compiled = CompiledForward(self.model, buckets_up_to(largest), whole_decode=whole_decode,
                                         max_decode_rows=self.config.max_num_seqs, backend=backend)
-        self.compiled.warm_up(self.cache, self.builder, self.device.type == "cpu" if measure is None else measure)
+        self.compiled.warm_up(self.cache, self.builder, measure)
+        proposer = self.speculator.proposer if self.speculator is not None else None
+        if isinstance(proposer, DraftModelProposer):  # the draft's steps: one token per sequence
+            proposer.compile_steps(self.config.max_num_seqs, measure, whole_decode, backend)
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes, if any (the engine runs no step after this)."""

@@ -63,6 +63,9 @@ def register(subparsers: Any) -> None:
     spec.add_argument("--repeats", type=int, default=2,
                       help="throughput runs per system and concurrency, interleaved; the best counts (default 2)")
     spec.add_argument("--json-out", type=Path, help="also write the JSON report to this file")
+    spec.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                      help="model.compile for every engine measured (on: the target's and the draft's small steps "
+                           "compiled on CPU too, each bucket kept only where it beat eager at warm-up)")
     spec.set_defaults(func=_bench_spec)
 
     prefix = actions.add_parser(
@@ -190,7 +193,8 @@ def _bench_spec(args: argparse.Namespace) -> int:
 
     report = run_spec_benchmark(_model_dir(args.target), _model_dir(args.draft, "draft"),
                                 _concurrencies(args.concurrency), args.output_len, args.prompts, args.k,
-                                args.threads, baselines=not args.no_baselines, repeats=max(args.repeats, 1))
+                                args.threads, baselines=not args.no_baselines, repeats=max(args.repeats, 1),
+                                compile_mode=args.compile)
     text = json.dumps(report.to_dict(), indent=2)
     sys.stdout.write(text + "\n")
     if args.json_out:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from serving.engine.batch import SequenceInput, build_forward_batch
-from serving.engine.config import EngineConfig, SpeculativeConfig
+from serving.engine.config import CompileMode, EngineConfig, SpeculativeConfig
 from serving.engine.engine import LLMEngine
 from serving.engine.kv_cache import BlockManager, KVCache
 from serving.engine.model import Transformer
@@ -58,6 +58,7 @@ class SpecBenchReport:
     num_draft_tokens: int
     prompts: int
     output_len: int
+    compile: str = "auto"  # model.compile of every engine measured (on: target and draft steps compiled)
     c1: list[LatencyRun] = field(default_factory=list)
     throughput: list[ThroughputRun] = field(default_factory=list)
     ceiling: dict[str, float] = field(default_factory=dict)
@@ -76,10 +77,11 @@ class SpecBenchReport:
         return next((r for r in self.c1 if r.system == system and r.tokens_per_s > 0), None)
 
 
-def make_engine(target: Path, spec: SpeculativeConfig, max_num_seqs: int, threads: int) -> LLMEngine:
+def make_engine(target: Path, spec: SpeculativeConfig, max_num_seqs: int, threads: int,
+                compile_mode: CompileMode = "auto") -> LLMEngine:
     return LLMEngine.from_config(EngineConfig(
         model=str(target), device="cpu", kv_cache_bytes=256 * 2**20, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max(512, max_num_seqs), num_threads=threads, speculative=spec,
+        max_num_batched_tokens=max(512, max_num_seqs), num_threads=threads, speculative=spec, compile=compile_mode,
     ))
 
 
@@ -229,18 +231,20 @@ def run_spec_benchmark(
     threads: int,
     baselines: bool = True,
     repeats: int = 2,
+    compile_mode: CompileMode = "auto",
 ) -> SpecBenchReport:
     torch.set_num_threads(threads)
     max_c = max(concurrencies)
-    off = make_engine(target, SpeculativeConfig(enabled=False), max_c, threads)
+    off = make_engine(target, SpeculativeConfig(enabled=False), max_c, threads, compile_mode)
     on_draft = make_engine(target, SpeculativeConfig(enabled=True, method="draft", draft_model=str(draft),
-                                                     num_draft_tokens=k), max_c, threads)
+                                                     num_draft_tokens=k), max_c, threads, compile_mode)
     on_ngram = make_engine(target, SpeculativeConfig(enabled=True, method="ngram", num_draft_tokens=k),
-                           max_c, threads)
+                           max_c, threads, compile_mode)
     if off.tokenizer is None:
         raise ValueError(f"{target} has no tokenizer: the spec benchmark encodes the held-out text prompts")
     prompts = load_prompts(off.tokenizer, num_prompts)
-    report = SpecBenchReport(str(target), str(draft), torch.get_num_threads(), k, len(prompts), output_len)
+    report = SpecBenchReport(str(target), str(draft), torch.get_num_threads(), k, len(prompts), output_len,
+                             compile_mode)
 
     for engine in (off, on_draft, on_ngram):  # warm-up, and a first fit of the policy's cost model
         run_concurrent(engine, prompts, 2, 16)

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from serving.engine.batch import SequenceInput, build_forward_batch
+from serving.engine.batch import ForwardBatch, ForwardBatchBuilder, SequenceInput
+from serving.engine.compile import CompiledForward, buckets_up_to
 from serving.engine.grammar import apply_grammar_masks
 from serving.engine.kv_cache import BlockManager, KVCache
 from serving.engine.loader import load_model, read_model_args
@@ -64,6 +65,8 @@ class DraftModelProposer:
         self.cache = KVCache(args.n_layers, num_blocks, block_size, args.n_kv_heads, args.head_dim, self.dtype,
                              self.device)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.builder = ForwardBatchBuilder(block_size, args.n_rep, self.device, self.dtype)
+        self.compiled: CompiledForward | None = None  # compile_steps(): the draft's small steps as graphs
         self.computed: dict[str, int] = {}  # req_id -> tokens of the sequence in the draft cache
         self.catch_up_tokens_total = 0  # sequence tokens the draft computed (prompts, accepted and emitted tokens)
         self.prefix_hit_tokens_total = 0  # sequence tokens found in the draft's prefix cache instead
@@ -83,6 +86,20 @@ class DraftModelProposer:
         draft_dir, target_dir = Path(draft_dir), Path(target_dir)
         check_same_tokenizer(target_dir, draft_dir, target_args, read_model_args(draft_dir))
         return cls(load_model(draft_dir, dtype, device, max_model_len), num_blocks, block_size)
+
+    def compile_steps(self, max_rows: int, measure: bool, whole_decode: bool | None = None,
+                      backend: str = "inductor") -> None:
+        """Compile (on CUDA: capture) the draft's steps of up to max_rows tokens, as the target's are: a draft
+        step is one token per sequence, so small and launch-bound; on CUDA an eager draft step would cost
+        about as much as the target's captured one. Runs at start-up, before any request."""
+        self.compiled = CompiledForward(self.model, buckets_up_to(max_rows), whole_decode=whole_decode,
+                                        max_decode_rows=max_rows, backend=backend)
+        self.compiled.warm_up(self.cache, self.builder, measure)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.compiled is not None:
+            return self.compiled(batch, self.cache)
+        return self.model(batch, self.cache)
 
     def lag(self, req: Request) -> int:
         """Tokens the draft must run for this sequence before it can draft (1 when it is up to date)."""
@@ -154,8 +171,8 @@ class DraftModelProposer:
     def _draft_step(self, reqs: list[Request], seqs: list[SequenceInput], drafts: Proposals,
                     probs: dict[str, list[torch.Tensor]], walked: dict[str, int]) -> None:
         started = time.perf_counter()
-        batch = build_forward_batch(seqs, self.block_size, self.model.args.n_rep, self.device, self.dtype)
-        logits = self.model.compute_logits(self.model(batch, self.cache), batch.logits_index)  # [n, V]
+        batch = self.builder.build(seqs)
+        logits = self.model.compute_logits(self.forward(batch), batch.logits_index)  # [n, V]
         grammars = [r.grammar if walked.get(r.request_id, 0) >= 0 else None for r in reqs]
         if any(g is not None for g in grammars):
             # the draft follows the grammar too (its q is the masked distribution, so verification stays

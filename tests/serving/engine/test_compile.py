@@ -168,3 +168,35 @@ def test_speculation_with_paged_attention_keeps_every_graph(llama_dir: Path, kit
     assert compiled.steps_whole_decode > 0 and compiled.steps_compiled > compiled.steps_whole_decode
     assert engine.stats().spec.num_draft_tokens > 0
     assert engine.blocks.num_used == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("paged", [False, True], ids=["gather", "paged-whole-decode"])
+def test_the_draft_model_steps_run_through_graphs_too(llama_dir: Path, kit: Any, paged: bool) -> None:
+    """A draft-speculation engine compiles the draft's small steps beside the target's (traced by dynamo with the
+    eager backend); greedy outputs equal the uncompiled engine's, and the draft's steps ran through its graphs."""
+    from serving.engine.config import SpeculativeConfig
+    from serving.engine.spec.draft import DraftModelProposer
+
+    prompts = kit.random_prompts([7, 30, 1], seed=13)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (20, 12, 16)]
+    spec = SpeculativeConfig(enabled=True, method="draft", adaptive=False, num_draft_tokens=3,
+                             draft_model=str(llama_dir))
+    settings = {"max_num_seqs": 4, "compile": "off", "speculative": spec}
+    plain = kit.run_to_completion(kit.make_engine(llama_dir, **settings), prompts, params)
+
+    engine = kit.make_engine(llama_dir, **settings)
+    proposer = engine.speculator.proposer if engine.speculator is not None else None
+    assert isinstance(proposer, DraftModelProposer)
+    if paged:
+        engine.model.set_paged_attention(True)
+        proposer.model.set_paged_attention(True)
+    engine.compile_steps(measure=False, whole_decode=paged, backend="eager")
+    draft_graphs = proposer.compiled
+    assert draft_graphs is not None and sorted(draft_graphs.graphs) == [1, 2, 4]
+    assert sorted(draft_graphs.decode_graphs) == ([1, 2, 4] if paged else [])
+    assert kit.run_to_completion(engine, prompts, params) == plain
+    assert draft_graphs.steps_compiled > 10
+    assert (draft_graphs.steps_whole_decode > 5) is paged
+    assert sorted(draft_graphs.graphs) == [1, 2, 4]  # none refused while serving
+    assert engine.blocks.num_used == 0 and proposer.blocks.num_used == 0

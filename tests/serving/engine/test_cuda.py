@@ -118,20 +118,28 @@ def test_cuda_graph_steps_give_the_eager_greedy_tokens(kit: Any, llama_dir: Path
     assert engine.blocks.num_used == 0
 
 
-def test_captured_decode_with_speculation_and_prefix_caching_on_cuda(kit: Any, llama_dir: Path) -> None:
-    """Verify steps run piecewise and plain decode steps captured whole, in one engine: greedy outputs stay."""
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_captured_decode_with_speculation_and_prefix_caching_on_cuda(kit: Any, llama_dir: Path, method: str) -> None:
+    """Verify steps run piecewise and plain decode steps captured whole, in one engine; with a draft model its
+    steps have their own graphs (replayed between the target's): greedy outputs stay."""
     from serving.engine.config import SpeculativeConfig
+    from serving.engine.spec.draft import DraftModelProposer
 
     system = kit.random_prompts([40], seed=11)[0]
     prompts = [system + p for p in kit.random_prompts([5, 9, 2], seed=12)]
     params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * len(prompts)
     settings = {"device": "cuda", "dtype": "fp32", "max_num_seqs": 4, "enable_prefix_caching": True}
     plain = kit.run_to_completion(kit.make_engine(llama_dir, compile="off", **settings), prompts, params)
-    spec = SpeculativeConfig(enabled=True, method="ngram", adaptive=True, num_draft_tokens=3)
+    spec = SpeculativeConfig(enabled=True, method=method, adaptive=True, num_draft_tokens=3,
+                             draft_model=str(llama_dir) if method == "draft" else None)
     engine = kit.make_engine(llama_dir, compile="on", speculative=spec, **settings)
     assert engine.compiled is not None and engine.compiled.decode_graphs
     assert kit.run_to_completion(engine, prompts, params) == plain
     assert engine.blocks.num_used == 0
+    proposer = engine.speculator.proposer if engine.speculator is not None else None
+    if isinstance(proposer, DraftModelProposer):
+        assert proposer.compiled is not None and proposer.compiled.steps_whole_decode > 0
+        assert proposer.blocks.num_used == 0
 
 
 def test_prefix_caching_and_speculation_keep_greedy_outputs_on_cuda(kit: Any, llama_dir: Path) -> None:
