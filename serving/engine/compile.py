@@ -54,6 +54,7 @@ class _StepContext:
 
 
 _context: _StepContext | None = None
+_buckets_requested = 0  # buckets of every CompiledForward made in this process (dynamo's recompile limit)
 
 
 @contextmanager
@@ -135,9 +136,12 @@ class CompiledForward:
         self.decisions: list[BucketDecision] = []
         self.steps_compiled = 0  # steps that ran through a compiled graph (either kind)
         self.steps_whole_decode = 0  # ... of them, decode steps captured whole
-        # every bucket is a recompile of the same code (process-wide setting, made when an engine compiles)
+        # every bucket of every CompiledForward in the process (a target and its draft) is a recompile of the
+        # same code: past dynamo's limit a bucket fails to compile and runs eagerly (process-wide, only raised)
+        global _buckets_requested
+        _buckets_requested += len(self.buckets)
         limit = torch._dynamo.config.recompile_limit
-        torch._dynamo.config.recompile_limit = max(limit, len(self.buckets) + 2)
+        torch._dynamo.config.recompile_limit = max(limit, _buckets_requested + 2)
 
     def bucket_for(self, num_tokens: int) -> int | None:
         for b in self.buckets:
