@@ -71,34 +71,33 @@ def _block_mask_over_cache(tables: torch.Tensor, ctx_blocks: torch.Tensor, num_c
     )
 
 
-def paged_block_mask(group: AttentionGroup, num_cache_blocks: int, block_size: int) -> Any:
-    """The BlockMask of one group over the whole cache: sequence g reads the blocks of its table only."""
-    assert group.q_start is not None and group.seq_lens is not None
-    q_start = group.q_start  # [G] position of each sequence's first query row
-    ctx_blocks = -(-group.seq_lens // block_size)  # [G] blocks holding the sequence's keys
-    logical_of = _inverse_tables(group.block_tables, ctx_blocks, num_cache_blocks)
+def _causal_block_mask(tables: torch.Tensor, q_start: torch.Tensor, key_lens: torch.Tensor, num_cache_blocks: int,
+                       block_size: int, max_q: int) -> Any:
+    """Sequence g reads the first key_lens[g] keys of its block table [G, B], query row i up to position
+    q_start[g] + i: the mask function maps a physical slot back to its logical position through the inverse
+    of the table (blocks shared through prefix caching are right for each sequence). Traces into a graph."""
+    ctx_blocks = (key_lens + block_size - 1) // block_size  # [G] blocks holding the sequence's keys
+    logical_of = _inverse_tables(tables, ctx_blocks, num_cache_blocks)
 
     def causal_paged(batch: torch.Tensor, head: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> Any:
         logical_block = logical_of[batch, kv_idx // block_size]
         key_pos = logical_block * block_size + kv_idx % block_size
         return (logical_block >= 0) & (key_pos <= q_start[batch] + q_idx)
 
-    return _block_mask_over_cache(group.block_tables, ctx_blocks, num_cache_blocks, block_size, group.max_q,
-                                  causal_paged)
+    return _block_mask_over_cache(tables, ctx_blocks, num_cache_blocks, block_size, max_q, causal_paged)
+
+
+def paged_block_mask(group: AttentionGroup, num_cache_blocks: int, block_size: int) -> Any:
+    """The BlockMask of one group over the whole cache: sequence g reads the blocks of its table only."""
+    assert group.q_start is not None and group.seq_lens is not None
+    return _causal_block_mask(group.block_tables, group.q_start, group.seq_lens, num_cache_blocks, block_size,
+                              group.max_q)
 
 
 def context_block_mask(tables: torch.Tensor, ctx_lens: torch.Tensor, num_cache_blocks: int, block_size: int) -> Any:
     """The BlockMask of a decode step whose new tokens are not in the cache yet: row g (one query) sees the
-    ctx_lens[g] cached keys before it, read in place through its block table [G, W]. Traces into a graph."""
-    ctx_blocks = (ctx_lens + block_size - 1) // block_size
-    logical_of = _inverse_tables(tables, ctx_blocks, num_cache_blocks)
-
-    def before_query(batch: torch.Tensor, head: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> Any:
-        logical_block = logical_of[batch, kv_idx // block_size]
-        key_pos = logical_block * block_size + kv_idx % block_size
-        return (logical_block >= 0) & (key_pos < ctx_lens[batch])
-
-    return _block_mask_over_cache(tables, ctx_blocks, num_cache_blocks, block_size, 1, before_query)
+    ctx_lens[g] cached keys before it, read in place through its block table [G, W]."""
+    return _causal_block_mask(tables, ctx_lens - 1, ctx_lens, num_cache_blocks, block_size, 1)
 
 
 def _kernel_options(device: torch.device, block_size: int) -> Any:
