@@ -66,6 +66,8 @@ def register(subparsers: Any) -> None:
     spec.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                       help="model.compile for every engine measured (on: the target's and the draft's small steps "
                            "compiled on CPU too, each bucket kept only where it beat eager at warm-up)")
+    spec.add_argument("--no-adaptive", action="store_true",
+                      help="draft k tokens at every speculating step instead of letting the policy choose 0..k")
     spec.set_defaults(func=_bench_spec)
 
     prefix = actions.add_parser(
@@ -194,7 +196,7 @@ def _bench_spec(args: argparse.Namespace) -> int:
     report = run_spec_benchmark(_model_dir(args.target), _model_dir(args.draft, "draft"),
                                 _concurrencies(args.concurrency), args.output_len, args.prompts, args.k,
                                 args.threads, baselines=not args.no_baselines, repeats=max(args.repeats, 1),
-                                compile_mode=args.compile)
+                                compile_mode=args.compile, adaptive=not args.no_adaptive)
     text = json.dumps(report.to_dict(), indent=2)
     sys.stdout.write(text + "\n")
     if args.json_out:
@@ -289,7 +291,13 @@ def _print_spec_tables(report: Any) -> None:
     if report.c1_draft_k_histogram:
         hist = " ".join(f"{k}:{v}" for k, v in sorted(report.c1_draft_k_histogram.items()))
         console.print(f"k chosen at c=1 (draft): {hist}")
-    tp = Table(title="throughput, spec on / spec off (adaptive k, best of interleaved repeats)")
+    for system, split in report.c1_step_split.items():
+        console.print(f"c=1 step, {system}: {split['steps']} steps of {split['step_ms']:.2f} ms = python "
+                      f"{split['python_ms']:.2f}, attention {split['attention_ms']:.2f}, matmuls "
+                      f"{split['matmuls_ms']:.2f}, sampling {split['sampling_ms']:.2f}, "
+                      f"drafting {split['drafting_ms']:.2f}")
+    k_rule = "adaptive k" if report.adaptive else f"k = {report.num_draft_tokens} always"
+    tp = Table(title=f"throughput, spec on / spec off ({k_rule}, best of interleaved repeats)")
     for col in ("c", "off tok/s", "draft tok/s", "n-gram tok/s", "draft on/off", "n-gram on/off", "draft k chosen"):
         tp.add_column(col, justify="right")
     for r in report.throughput:

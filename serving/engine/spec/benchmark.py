@@ -6,6 +6,7 @@ Used by `specdeploy bench spec`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
@@ -20,6 +21,7 @@ from serving.engine.config import CompileMode, EngineConfig, SpeculativeConfig
 from serving.engine.engine import LLMEngine
 from serving.engine.kv_cache import BlockManager, KVCache
 from serving.engine.model import Transformer
+from serving.engine.step_profile import profile_steps
 from serving.engine.types import GenerationRequest, SamplingParams
 from serving.stats import percentile
 
@@ -59,6 +61,7 @@ class SpecBenchReport:
     prompts: int
     output_len: int
     compile: str = "auto"  # model.compile of every engine measured (on: target and draft steps compiled)
+    adaptive: bool = True  # False: every speculating step drafts k tokens (the policy does not choose)
     c1: list[LatencyRun] = field(default_factory=list)
     throughput: list[ThroughputRun] = field(default_factory=list)
     ceiling: dict[str, float] = field(default_factory=dict)
@@ -69,6 +72,8 @@ class SpecBenchReport:
     draft_alpha: list[float] = field(default_factory=list)
     c1_draft_k_histogram: dict[int, int] = field(default_factory=dict)  # k chosen -> sequence-steps, c=1 run
     counters: dict[str, dict[str, Any]] = field(default_factory=dict)  # proposer -> its engine's SpecStats, whole run
+    # where a c=1 step goes, spec off and draft (one more sequential pass each, profiled: StepBreakdown fields)
+    c1_step_split: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -232,19 +237,21 @@ def run_spec_benchmark(
     baselines: bool = True,
     repeats: int = 2,
     compile_mode: CompileMode = "auto",
+    adaptive: bool = True,
 ) -> SpecBenchReport:
     torch.set_num_threads(threads)
     max_c = max(concurrencies)
     off = make_engine(target, SpeculativeConfig(enabled=False), max_c, threads, compile_mode)
     on_draft = make_engine(target, SpeculativeConfig(enabled=True, method="draft", draft_model=str(draft),
-                                                     num_draft_tokens=k), max_c, threads, compile_mode)
-    on_ngram = make_engine(target, SpeculativeConfig(enabled=True, method="ngram", num_draft_tokens=k),
+                                                     num_draft_tokens=k, adaptive=adaptive),
                            max_c, threads, compile_mode)
+    on_ngram = make_engine(target, SpeculativeConfig(enabled=True, method="ngram", num_draft_tokens=k,
+                                                     adaptive=adaptive), max_c, threads, compile_mode)
     if off.tokenizer is None:
         raise ValueError(f"{target} has no tokenizer: the spec benchmark encodes the held-out text prompts")
     prompts = load_prompts(off.tokenizer, num_prompts)
     report = SpecBenchReport(str(target), str(draft), torch.get_num_threads(), k, len(prompts), output_len,
-                             compile_mode)
+                             compile_mode, adaptive)
 
     for engine in (off, on_draft, on_ngram):  # warm-up, and a first fit of the policy's cost model
         run_concurrent(engine, prompts, 2, 16)
@@ -256,6 +263,9 @@ def run_spec_benchmark(
                                    if v - k_before.get(kk, 0)}
     report.c1.append(run_sequential(on_ngram, "spec_ngram", prompts, output_len, outputs["ngram"]))
     report.greedy_identical = outputs["off"] == outputs["draft"] == outputs["ngram"]
+    for system, engine in (("spec_off", off), ("spec_draft", on_draft)):
+        split = profile_steps(engine, functools.partial(run_sequential, engine, system, prompts, output_len), 1)
+        report.c1_step_split[system] = asdict(split)
     for run in report.c1:
         log.info("c=1 %s: %.1f tok/s, p50 %.2fs", run.system, run.tokens_per_s, run.p50_latency_s)
 

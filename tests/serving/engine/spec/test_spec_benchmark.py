@@ -27,3 +27,20 @@ def test_expected_speedup_at_alpha() -> None:
     # k = 2, alpha 0.5 then 0.5: 1 + 0.5 + 0.25 tokens per round, a round costs 1.5 + 2 * 0.25
     assert expected_speedup([0.5, 0.5, 0.9], 2, ceiling) == pytest.approx(1.75 / 2.0)
     assert expected_speedup([1.0, 1.0], 2, ceiling) == pytest.approx(3 / 2.0)
+
+
+@pytest.mark.slow
+def test_the_spec_bench_without_the_policy_drafts_k_and_splits_the_c1_step() -> None:
+    """`bench spec --no-adaptive` on the demo pair, shortened: every c=1 speculating step drafts k (short only
+    where a request's remaining tokens cap it), and the report splits a c=1 step of spec off and of draft."""
+    from serving.demo import draft_path, target_path
+    from serving.engine.spec.benchmark import run_spec_benchmark
+
+    report = run_spec_benchmark(target_path(), draft_path(), [1], output_len=24, num_prompts=2, k=4, threads=1,
+                                baselines=False, repeats=1, adaptive=False)
+    assert report.adaptive is False and report.greedy_identical
+    hist = report.c1_draft_k_histogram
+    assert max(hist) == 4 and sum(v for k, v in hist.items() if k != 4) <= 2, hist  # one capped step a request
+    off, draft = report.c1_step_split["spec_off"], report.c1_step_split["spec_draft"]
+    assert off["steps"] >= 2 * 24 and off["drafting_ms"] == 0.0
+    assert 0 < draft["steps"] < off["steps"] and draft["drafting_ms"] > 0.0
