@@ -62,12 +62,15 @@ def _block_mask_over_cache(tables: torch.Tensor, ctx_blocks: torch.Tensor, num_c
     # the mask spans the whole cache, so its index rows are as wide as the cache; entries past ctx_blocks are unused
     kv_indices = F.pad(tables.to(torch.int32), (0, num_cache_blocks - tables.shape[1]))  # [G, num_cache_blocks]
     kv_indices = kv_indices[:, None, None, :].expand(g, 1, q_blocks, num_cache_blocks).contiguous()
-    # no block is declared "full" (mask-free): every listed block goes through the mask function. The empty
-    # full-block arrays are passed anyway: the CPU kernel template does not build without them (torch 2.13)
-    no_full = torch.zeros_like(kv_num_blocks), torch.zeros_like(kv_indices)
+    # no block is declared "full" (mask-free): every listed block goes through the mask function. On CPU the
+    # empty full-block arrays are passed anyway: the C++ kernel template does not build without them (torch 2.13).
+    # On CUDA they are left out: with them, the Triton decode kernel splits the work by the length of the whole
+    # cache instead of by the listed blocks, and one program per KV head then walks every block of the context
+    on_cpu = tables.device.type == "cpu"
     return BlockMask.from_kv_blocks(
-        kv_num_blocks, kv_indices, *no_full, BLOCK_SIZE=(_Q_BLOCK, block_size), mask_mod=mask_mod,
-        seq_lengths=(max_q, num_cache_blocks * block_size), compute_q_blocks=False,  # forward only
+        kv_num_blocks, kv_indices, full_kv_num_blocks=torch.zeros_like(kv_num_blocks) if on_cpu else None,
+        full_kv_indices=torch.zeros_like(kv_indices) if on_cpu else None, BLOCK_SIZE=(_Q_BLOCK, block_size),
+        mask_mod=mask_mod, seq_lengths=(max_q, num_cache_blocks * block_size), compute_q_blocks=False,  # forward only
     )
 
 
