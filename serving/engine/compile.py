@@ -12,8 +12,11 @@ included, when attention reads the paged cache in place (FlexAttention: the engi
 takes the rows' block tables padded to a static width and the cached context lengths, reads the cache without
 writing it (`CapturedDecode`: context from the cache plus the new token beside it) and returns the new K/V,
 which the step stores right after the replay. One replay then runs the step's every kernel, instead of the
-per-layer attention calls between graph pieces. Inductor cannot lower the log-sum-exp this needs on CPU
-(torch 2.13), so on CPU the whole-decode path runs only under test backends ("eager", "aot_eager").
+per-layer attention calls between graph pieces. On CUDA we capture these graphs ourselves (`DecodeGraph`: static
+input buffers, `torch.cuda.CUDAGraph`), so a step costs the host a few copies and one replay, not a call through
+dynamo's guards and inductor's cudagraph trees (measured on an H200 in docs/engine.md). Inductor cannot lower
+the log-sum-exp this needs on CPU (torch 2.13), so on CPU the whole-decode path runs only under test backends
+("eager", "aot_eager").
 
 Whether compiling pays is measured per bucket at warm-up (eager and compiled step time, side by side) and a
 bucket keeps its compiled graph only if it is faster: on a small CPU model the launch overhead saved can be
@@ -30,6 +33,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -131,7 +135,8 @@ class CompiledForward:
             raise ValueError("whole-decode graphs need paged attention (Transformer.set_paged_attention(True))")
         self.whole_decode = whole_decode
         self.max_decode_rows = max_decode_rows or self.buckets[-1]  # a decode step has one row per sequence
-        self.decode_graphs: dict[int, Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self.decode_graphs: dict[int, DecodeGraph] = {}
+        self._graph_pool: Any = None  # the memory pool the decode graphs of this forward share (CUDA)
         self._decode_cache: KVCache | None = None  # the cache the decode graphs read (set at warm-up)
         self.decisions: list[BucketDecision] = []
         self.steps_compiled = 0  # steps that ran through a compiled graph (either kind)
@@ -198,11 +203,14 @@ class CompiledForward:
 
     def _warm_up_decode(self, bucket: int, cache: KVCache, builder: ForwardBatchBuilder, measure: bool) -> None:
         batch = _dummy_batch(builder, bucket, cache)
-        graph = self._compile_decode(cache)
+        if self.cuda_graphs and self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = DecodeGraph(self._compile_decode(cache), bucket, -(-self.model.max_model_len // cache.block_size),
+                            self.model.device, capture=self.cuda_graphs, pool=self._graph_pool)
         run = functools.partial(self._run_decode, graph, batch, cache)
         try:
-            for _ in range(3 if self.cuda_graphs else 1):
-                compiled_ms = self._time(run)
+            graph.prepare()
+            compiled_ms = self._time(run)
         except Exception as exc:
             log.warning("capturing the %d-row decode step failed; it runs piecewise: %r", bucket, exc)
             self.decisions.append(BucketDecision(bucket, 0.0, 0.0, False, f"compile failed: {exc!r}"[:300],
@@ -267,27 +275,16 @@ class CompiledForward:
                            ctx_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             return model.forward_decode(input_ids, positions, tables, ctx_lens, cache)
 
+        # no mode: DecodeGraph captures the CUDA graph itself (inductor's cudagraph trees would add their own)
         compiled: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = torch.compile(
-            decode_forward, fullgraph=True, dynamic=False, backend=self.backend, mode=self._mode()
+            decode_forward, fullgraph=True, dynamic=False, backend=self.backend
         )
         return compiled
 
-    def _run_decode(self, graph: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                    batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+    def _run_decode(self, graph: DecodeGraph, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         if cache is not self._decode_cache:
             raise RuntimeError("a captured decode step runs on the cache it was captured with only")
-        n = batch.num_tokens
-        bucket = self.bucket_for(n)
-        assert bucket is not None
-        tables, ctx_lens = decode_layout(batch, bucket, -(-self.model.max_model_len // cache.block_size))
-        if self.cuda_graphs:
-            torch.compiler.cudagraph_mark_step_begin()
-        hidden, new_k, new_v = graph(_pad_rows(batch.input_ids, bucket), _pad_rows(batch.positions, bucket),
-                                     tables, ctx_lens)
-        # the real rows' K/V go to their slots now, before the next replay reuses the graph's output memory;
-        # padding rows (copies of row 0) are not stored
-        cache.write_layers(batch.slot_mapping, new_k[:, :n], new_v[:, :n])
-        return hidden[:n].clone() if self.cuda_graphs else hidden[:n]
+        return graph.run(batch, cache)
 
     def _run(self, graph: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], batch: ForwardBatch,
              cache: KVCache) -> torch.Tensor:
@@ -327,29 +324,76 @@ def is_decode(batch: ForwardBatch) -> bool:
     return all(group.max_q == 1 for group in batch.groups)
 
 
-def decode_layout(batch: ForwardBatch, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decode batch's block tables [rows, width] int32 and cached context lengths [rows], in flat-row order;
-    rows past the batch's tokens repeat row 0 (they compute row 0's values and are dropped)."""
-    device = batch.input_ids.device
-    tables = torch.zeros(rows, width, dtype=torch.int32, device=device)
-    ctx_lens = torch.empty(rows, dtype=torch.long, device=device)
+def fill_decode_inputs(batch: ForwardBatch, input_ids: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
+                       ctx_lens: torch.Tensor) -> int:
+    """Copy a decode batch into a bucket's static inputs, in flat-row order: token ids, positions, block tables
+    [rows, width] int32 and cached context lengths. Returns the batch's row count n.
+
+    Only the first n rows and, per row, the table entries the batch has are written: entries past a row's
+    context blocks are never read, and rows past n keep an earlier step's inputs (or the zeros they started
+    with) — valid inputs whose outputs are dropped and never stored, so they cost no copy per step."""
+    n = batch.num_tokens
+    input_ids[:n].copy_(batch.input_ids)
+    positions[:n].copy_(batch.positions)
     for group in batch.groups:  # decode groups: one row per sequence, contiguous in flat order
         assert group.seq_lens is not None
         span = slice(group.token_start, group.token_end)
-        tables[span, : group.block_tables.shape[1]] = group.block_tables
-        ctx_lens[span] = group.seq_lens - 1  # the new token is not in the cache yet
-    n = batch.num_tokens
-    if n < rows:
-        tables[n:] = tables[0]
-        ctx_lens[n:] = ctx_lens[0]
-    return tables, ctx_lens
+        tables[span, : group.block_tables.shape[1]].copy_(group.block_tables)
+        torch.sub(group.seq_lens, 1, out=ctx_lens[span])  # the new token is not in the cache yet
+    return n
 
 
-def _pad_rows(t: torch.Tensor, size: int) -> torch.Tensor:
-    """Pad a [T] tensor to size by repeating its first entry."""
-    if t.shape[0] == size:
-        return t
-    return torch.cat([t, t[:1].expand(size - t.shape[0])])
+class DecodeGraph:
+    """One bucket's decode step captured whole, on static input buffers of `rows` rows.
+
+    On CUDA (capture=True) `prepare` compiles the step, warms it up on a side stream and captures it into a
+    `torch.cuda.CUDAGraph`; a step then copies its rows into the buffers, replays the graph and stores the new
+    K/V. Replaying our own graph skips what calling the compiled function costs the host on every step:
+    dynamo's guards, and inductor's cudagraph trees with their own input copies and checks. Without capture
+    (CPU tests, backend "eager") a step calls the compiled function on the same buffers."""
+
+    def __init__(self, fn: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]], rows: int, width: int,
+                 device: torch.device, capture: bool, pool: Any = None) -> None:
+        self.fn, self.rows, self.capture, self.pool = fn, rows, capture, pool
+        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.tables = torch.zeros(rows, width, dtype=torch.int32, device=device)
+        self.ctx_lens = torch.zeros(rows, dtype=torch.long, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # the graph's, when captured
+
+    def _call(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.fn(self.input_ids, self.positions, self.tables, self.ctx_lens)
+
+    def prepare(self) -> None:
+        """Compile the step (its first call) and, with capture, record the graph. Raises if either fails."""
+        if not self.capture:
+            self._call()
+            return
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compile, autotune and library handles happen outside the capture
+            for _ in range(2):
+                self._call()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a CUDA call of another thread during the capture is not an error of this one
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            self.outputs = self._call()
+        self.graph = graph
+
+    def run(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        n = fill_decode_inputs(batch, self.input_ids, self.positions, self.tables, self.ctx_lens)
+        if self.graph is not None:
+            assert self.outputs is not None
+            self.graph.replay()
+            hidden, new_k, new_v = self.outputs
+        else:
+            hidden, new_k, new_v = self._call()
+        # the real rows' K/V go to their slots now, before the next replay overwrites the graph's outputs;
+        # padding rows are not stored
+        cache.write_layers(batch.slot_mapping, new_k[:, :n], new_v[:, :n])
+        return hidden[:n].clone() if self.graph is not None else hidden[:n]
 
 
 def _pad(t: torch.Tensor, size: int) -> torch.Tensor:

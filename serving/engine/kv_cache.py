@@ -50,6 +50,11 @@ class KVCache:
         self._v_slots = [v.view(-1, n_kv_heads, head_dim) for v in self.v.unbind(0)]
         self._k_blocks = list(self.k.unbind(0))  # [num_blocks, block_size, Hkv, D]
         self._v_blocks = list(self.v.unbind(0))
+        # every layer's slots as one flat dimension ([n_layers * num_slots, Hkv, D]) and each layer's first slot
+        # in it, for storing all layers' K/V of a step in one copy (write_layers)
+        self._k_flat = self.k.view(-1, n_kv_heads, head_dim)
+        self._v_flat = self.v.view(-1, n_kv_heads, head_dim)
+        self._layer_start = torch.arange(n_layers, device=device)[:, None] * (num_blocks * block_size)  # [L, 1]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k/v [T, Hkv, D] at flat slots [T] (block * block_size + offset)."""
@@ -57,10 +62,14 @@ class KVCache:
         self._v_slots[layer].index_copy_(0, slots, v)
 
     def write_layers(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store every layer's k/v [n_layers, T, Hkv, D] at flat slots [T] (a decode step captured whole)."""
-        n_layers = self.k.shape[0]
-        self.k.view(n_layers, -1, self.n_kv_heads, self.head_dim).index_copy_(1, slots, k)
-        self.v.view(n_layers, -1, self.n_kv_heads, self.head_dim).index_copy_(1, slots, v)
+        """Store every layer's k/v [n_layers, T, Hkv, D] at flat slots [T] (a decode step captured whole).
+
+        One copy along the first dimension of the flat cache per tensor. Copying along the slot dimension of
+        [n_layers, num_slots, ...] instead made the device's indexing split into a kernel per layer or so
+        (and a copy beside each) once the cache passed 2^31 elements: 88 launches per step on an H200."""
+        index = (self._layer_start + slots[None, :]).reshape(-1)  # [L * T]
+        self._k_flat.index_copy_(0, index, k.reshape(-1, self.n_kv_heads, self.head_dim))
+        self._v_flat.index_copy_(0, index, v.reshape(-1, self.n_kv_heads, self.head_dim))
 
     def layer_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer in place: [num_blocks, block_size, Hkv, D] each (the paged attention path)."""

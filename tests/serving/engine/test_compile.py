@@ -84,7 +84,7 @@ def test_a_decode_step_without_writing_the_cache_equals_the_step_that_writes_it(
     afterwards, they equal what the eager step wrote, and so do the logits. Rows: a sequence whose new token starts
     a block, one mid-block, one that shares another's blocks (prefix caching), a one-token prompt (no context)."""
     from serving.engine.batch import SequenceInput, build_forward_batch
-    from serving.engine.compile import decode_layout
+    from serving.engine.compile import fill_decode_inputs
 
     runner = kit.PagedRunner(llama_dir)
     model, cache, blocks = runner.model, runner.cache, runner.blocks
@@ -104,12 +104,19 @@ def test_a_decode_step_without_writing_the_cache_equals_the_step_that_writes_it(
         batch = build_forward_batch(seqs, 16, model.args.n_rep, runner.device)
         model.set_paged_attention(True)
         before_k, before_v = cache.k.clone(), cache.v.clone()
-        tables, ctx_lens = decode_layout(batch, 8, 512 // 16)  # bucket 8: four padding rows
+        # bucket 8's static inputs as an earlier step left them: the four padding rows and the table entries past
+        # each real row's context keep stale (valid) values, which must change nothing in the real rows
+        gen = torch.Generator().manual_seed(3)
+        ids = torch.randint(0, model.args.vocab_size, (8,), generator=gen)
+        positions = torch.randint(0, 100, (8,), generator=gen)
+        tables = torch.randint(0, cache.num_blocks, (8, 512 // 16), generator=gen).int()
+        ctx_lens = torch.randint(0, 100, (8,), generator=gen)
+        stale = ids.clone(), tables.clone(), ctx_lens.clone()
+        assert fill_decode_inputs(batch, ids, positions, tables, ctx_lens) == 4
         assert sorted(ctx_lens[:4].tolist()) == [0, 21, 32, 32]
-        assert ctx_lens[4:].tolist() == [int(ctx_lens[0])] * 4 and torch.equal(tables[4:], tables[:1].expand(4, -1))
-        hidden, new_k, new_v = model.forward_decode(
-            torch.cat([batch.input_ids, batch.input_ids[:1].expand(4)]),
-            torch.cat([batch.positions, batch.positions[:1].expand(4)]), tables, ctx_lens, cache)
+        assert torch.equal(ids[4:], stale[0][4:]) and torch.equal(tables[4:], stale[1][4:])  # padding untouched
+        assert torch.equal(tables[:, 3:], stale[1][:, 3:])  # past the widest real table (3 blocks): untouched
+        hidden, new_k, new_v = model.forward_decode(ids, positions, tables, ctx_lens, cache)
         assert torch.equal(cache.k, before_k) and torch.equal(cache.v, before_v)  # nothing written
         cache.write_layers(batch.slot_mapping, new_k[:, :4], new_v[:, :4])
         captured = model.compute_logits(hidden[:4], batch.logits_index)
