@@ -83,8 +83,57 @@ def forward_ms(engine: LLMEngine, context: int, repeats: int = 200) -> float:
     return 1e3 * (time.perf_counter() - start) / repeats
 
 
+def kernel_profile(engine: LLMEngine, prompt: list[int], steps: int = 32, top: int = 12) -> dict[str, Any]:
+    """The device kernels of `steps` batch-1 decode steps, from torch.profiler: kernels (and copies) per step,
+    device-busy ms per step against the step's wall ms (the rest is the host and launch gaps), and the
+    kernels that take the most time, by name, and the CUDA calls and aten ops the host makes per step (what a
+    step launches outside its graphs). Kernels replayed from a CUDA graph are listed one by one."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.add_request(GenerationRequest("kernel-profile", prompt, SamplingParams(
+        temperature=0.0, max_tokens=steps + 1, ignore_eos=True)))
+    engine.step()  # prefill and the first token
+    torch.cuda.synchronize()
+    done = 0
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+            done += 1
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    per_name: dict[str, list[float]] = {}
+    cuda_calls: dict[str, int] = {}  # CUDA runtime/driver calls the host makes (launches, copies, graph replays)
+    aten_ops: dict[str, int] = {}  # ... and the aten ops it runs, views included
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:
+            per_name.setdefault(event.name, []).append(event.time_range.elapsed_us())
+        elif event.name.startswith("cu"):
+            cuda_calls[event.name] = cuda_calls.get(event.name, 0) + 1
+        elif event.name.startswith("aten::"):
+            aten_ops[event.name] = aten_ops.get(event.name, 0) + 1
+
+    def per_step(counts: dict[str, int], top: int) -> dict[str, float]:
+        ranked = sorted(counts.items(), key=lambda item: -item[1])[:top]
+        return {name: round(count / max(done, 1), 1) for name, count in ranked}
+    busy_us = sum(sum(times) for times in per_name.values())
+    ranked = sorted(per_name.items(), key=lambda item: -sum(item[1]))
+    return {
+        "steps": done,
+        "step_wall_ms": round(1e3 * wall / max(done, 1), 3),  # under the profiler: slower than unprofiled
+        "device_busy_ms_per_step": round(busy_us / 1e3 / max(done, 1), 3),
+        "kernels_per_step": round(sum(len(t) for t in per_name.values()) / max(done, 1), 1),
+        "cuda_calls_per_step": per_step(cuda_calls, 10),
+        "aten_ops_per_step": per_step(aten_ops, 25),
+        "top_kernels": [{"name": name[:120], "per_step": round(len(times) / max(done, 1), 1),
+                         "us_per_step": round(sum(times) / max(done, 1), 1),
+                         "mean_us": round(sum(times) / len(times), 2)} for name, times in ranked[:top]],
+    }
+
+
 def decode_tokens_per_s(model_dir: Path, new_tokens: int, compile_mode: str, quantization: str,
-                        kv_cache_bytes: int | None = None) -> dict[str, Any]:
+                        kv_cache_bytes: int | None = None, profile_kernels: bool = False) -> dict[str, Any]:
     """Batch-1 greedy decode tokens/s of one engine configuration, with what its start-up did.
 
     compile_mode: on (decode captured whole), piecewise (graphs between attention calls), off (eager)."""
@@ -125,6 +174,7 @@ def decode_tokens_per_s(model_dir: Path, new_tokens: int, compile_mode: str, qua
             engine.step()
 
     split = profile_steps(engine, finish, concurrency=1)
+    kernels = kernel_profile(engine, prompt) if profile_kernels else None
     forward = forward_ms(engine, context=len(prompt) + new_tokens // 2)
     compiled = engine.compiled
     result = {
@@ -142,6 +192,7 @@ def decode_tokens_per_s(model_dir: Path, new_tokens: int, compile_mode: str, qua
         "forward_ms": round(forward, 3),  # graph replay (or eager forward) + lm_head, no scheduling/sampling
         "profiled_step_ms": {phase: round(getattr(split, f"{phase}_ms"), 3)
                              for phase in ("step", "python", "attention", "matmuls", "sampling")},
+        **({"kernels": kernels} if kernels is not None else {}),
         "compile_decisions": [f"{d.kind} {d.tokens}: " + (d.note or ("compiled" if d.compiled else "eager"))
                               for d in (compiled.decisions if compiled is not None else [])],
     }
@@ -159,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="KV cache size (default: the engine's, most of the free device memory)")
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help="compile:quantization pairs, comma-separated (default: %(default)s)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also list each run's device kernels per decode step (torch.profiler)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.stderr.write("bandwidth: needs a CUDA device\n")
@@ -176,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         params = build_random_model(Path(tmp))
         for compile_mode, quantization in configs:
             kv_bytes = int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None
-            run = decode_tokens_per_s(Path(tmp), args.new_tokens, compile_mode, quantization, kv_bytes)
+            run = decode_tokens_per_s(Path(tmp), args.new_tokens, compile_mode, quantization, kv_bytes,
+                                      profile_kernels=args.profile)
             gc.collect()  # the run's engine and its KV cache
             torch.cuda.empty_cache()
             # the bound of each run is its own weight bytes: quantized weights are fewer bytes to read per token
