@@ -10,7 +10,8 @@ Attention runs per *group*: sequences whose query lengths are alike share one pa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,10 +42,22 @@ class AttentionGroup:
     valid_index: torch.Tensor | None  # [num real tokens] positions in the padded [G * max_q] layout
     block_tables: torch.Tensor  # [G, max_blocks] cache blocks to read (padding blocks are masked out)
     key_len: int  # keys read per sequence: the group's longest context
-    mask: torch.Tensor | None  # [G, 1, n_rep * max_q, key_len] additive (0 or -inf); None = attend to all
+    query_pos: torch.Tensor | None  # [G, max_q] (host) each query row's position, for `mask`; None = no mask needed
     q_start: torch.Tensor | None = None  # [G] position of each sequence's first query row (the paged path's mask)
     seq_lens: torch.Tensor | None = None  # [G] context length of each sequence after this step (ditto)
     block_mask: Any = None  # the paged path's FlexAttention BlockMask: built by the first layer, shared by all
+    mask_maker: Callable[[torch.Tensor, int], torch.Tensor] | None = field(default=None, repr=False)
+    _mask: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        """[G, 1, n_rep * max_q, key_len] additive (0 or -inf) causal mask of the gather path's SDPA; None = attend
+        to all. Made on first use and shared by every layer: the paged path never asks, so its steps never pay
+        for building it or copying it to the device."""
+        if self._mask is None and self.query_pos is not None:
+            assert self.mask_maker is not None
+            self._mask = self.mask_maker(self.query_pos, self.key_len)
+        return self._mask
 
 
 @dataclass
@@ -139,14 +152,33 @@ class ForwardBatchBuilder:
 
         flat_ids = [t for i in order for t in seqs[i].token_ids]
         logits_rows = [row_of[i] + off for i, s in enumerate(seqs) for off in s.logits_offsets]
-        device = self.device
-        return ForwardBatch(
-            input_ids=torch.tensor(flat_ids, dtype=torch.long).to(device),
-            positions=positions.to(device),
-            slot_mapping=slots.to(device),
+        batch = ForwardBatch(
+            input_ids=torch.tensor(flat_ids, dtype=torch.long),
+            positions=positions,
+            slot_mapping=slots,
             groups=groups,
-            logits_index=torch.tensor(logits_rows, dtype=torch.long).to(device),
+            logits_index=torch.tensor(logits_rows, dtype=torch.long),
         )
+        if self.device.type != "cpu":
+            self._upload(batch)
+        return batch
+
+    def _upload(self, batch: ForwardBatch) -> None:
+        """Move the batch's index tensors to the device in one copy from pinned memory, without waiting for it.
+
+        One blocking copy per tensor would cost the host a copy and a device synchronisation each (seven or
+        more per step); the copy is queued on the step's stream ahead of the forward that reads it, and the
+        pinned buffer is not reused before the copy has run (the caching host allocator records its use)."""
+        move_index_tensors(batch, lambda flat: flat.pin_memory().to(self.device, non_blocking=True))
+
+    def _causal_mask(self, query_pos: torch.Tensor, key_len: int) -> torch.Tensor:
+        """The additive causal mask of a group: query row i of sequence g sees keys [0, query_pos[g, i]]."""
+        num, max_q = query_pos.shape
+        allowed = self.ramp(key_len)[None, None, :] <= query_pos[:, :, None]  # [G, max_q, K]
+        # SDPA would turn a bool mask into an additive one in every layer; do it once here
+        additive = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, float("-inf"))
+        mask = additive[:, None, None].expand(num, 1, self.n_rep, max_q, key_len)
+        return mask.reshape(num, 1, self.n_rep * max_q, key_len).to(self.device)
 
     def _group(
         self,
@@ -170,22 +202,17 @@ class ForwardBatchBuilder:
         offsets = self.ramp(max_q)
         valid = None if uniform else offsets[None, :] < q_t[sl, None]  # [G, max_q]
 
-        mask = None
+        q_pos = None
         if not (num == 1 and max_q == 1):  # a lone decode token sees its whole context: no mask needed
             # padded query slots get position 0 so their mask row is never empty (no NaN); their output is dropped
             q_pos = start_t[sl, None] + offsets[None, :]  # [G, max_q]
             if valid is not None:
                 q_pos = torch.where(valid, q_pos, 0)
-            allowed = self.ramp(key_len)[None, None, :] <= q_pos[:, :, None]  # [G, max_q, K]: causal
-            # SDPA would turn a bool mask into an additive one in every layer; do it once here
-            additive = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, float("-inf"))
-            mask = additive[:, None, None].expand(num, 1, self.n_rep, max_q, key_len)
-            mask = mask.reshape(num, 1, self.n_rep * max_q, key_len).to(self.device)
 
         query_index = valid_index = None
         if valid is not None:
-            query_index = torch.where(valid, row_t[sl, None] + offsets[None, :], 0).reshape(-1).to(self.device)
-            valid_index = valid.reshape(-1).nonzero().squeeze(1).to(self.device)
+            query_index = torch.where(valid, row_t[sl, None] + offsets[None, :], 0).reshape(-1)
+            valid_index = valid.reshape(-1).nonzero().squeeze(1)
         return AttentionGroup(
             token_start=token_start,
             token_end=token_end,
@@ -194,12 +221,29 @@ class ForwardBatchBuilder:
             uniform=uniform,
             query_index=query_index,
             valid_index=valid_index,
-            block_tables=tables[sl, : -(-key_len // self.block_size)].to(self.device),
+            block_tables=tables[sl, : -(-key_len // self.block_size)],
             key_len=key_len,
-            mask=mask,
-            q_start=start_t[sl].to(self.device),
-            seq_lens=(start_t[sl] + q_t[sl]).to(self.device),
+            query_pos=q_pos,
+            q_start=start_t[sl],
+            seq_lens=start_t[sl] + q_t[sl],
+            mask_maker=self._causal_mask,
         )
+
+
+def move_index_tensors(batch: ForwardBatch, move: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Replace every index tensor of a batch (ids, positions, slots, logits rows, and each group's tables, starts,
+    lengths and query/valid indices) by a view of one flat tensor, moved by a single call of `move`."""
+    fields: list[tuple[Any, str]] = [(batch, "input_ids"), (batch, "positions"), (batch, "slot_mapping"),
+                                     (batch, "logits_index")]
+    for group in batch.groups:
+        fields += [(group, name) for name in ("block_tables", "q_start", "seq_lens", "query_index", "valid_index")
+                   if getattr(group, name) is not None]
+    host = [getattr(obj, name) for obj, name in fields]
+    flat = move(torch.cat([t.reshape(-1) for t in host]))
+    start = 0
+    for (obj, name), t in zip(fields, host, strict=True):
+        setattr(obj, name, flat[start : start + t.numel()].view(t.shape))
+        start += t.numel()
 
 
 def _padded(table: list[int], num_blocks: int, width: int) -> list[int]:

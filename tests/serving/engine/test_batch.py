@@ -58,3 +58,43 @@ def test_decode_only_step_is_one_row_per_sequence() -> None:
     by_token = dict(zip(batch.input_ids.tolist(), zip(batch.positions.tolist(), batch.slot_mapping.tolist(),
                                                       strict=True), strict=True))
     assert by_token == {i: (16 * i + 3, (10 * i + i) * 16 + 3) for i in range(3)}
+
+
+def test_index_tensors_move_to_the_device_as_one_copy_and_masks_are_made_on_demand() -> None:
+    """On a GPU the builder moves a step's index tensors with one copy (move_index_tensors); here the "device" is a
+    clone, and every tensor must come back as a view of that one copy, with its values and shape. The SDPA mask is
+    made only when the gather path asks for it (the paged path never does), once per step."""
+    from serving.engine.batch import move_index_tensors
+
+    seqs = [SequenceInput([1, 2, 3], start_pos=2, block_table=[0, 5], logits_offsets=[2]),
+            SequenceInput([4], start_pos=6, block_table=[1, 2], logits_offsets=[0]),
+            SequenceInput([5, 6], start_pos=0, block_table=[3], logits_offsets=[0, 1])]
+    batch = build_forward_batch(seqs, block_size=4, n_rep=2, device=CPU)
+    names = ("block_tables", "q_start", "seq_lens", "query_index", "valid_index")
+    before = {"ids": batch.input_ids.clone(), "pos": batch.positions.clone(), "slots": batch.slot_mapping.clone(),
+              "logits": batch.logits_index.clone()}
+    before_groups = [{n: getattr(g, n).clone() for n in names if getattr(g, n) is not None} for g in batch.groups]
+    assert any("query_index" in g for g in before_groups)  # a padded group: every kind of index tensor is there
+    moved: list[torch.Tensor] = []
+
+    def move(flat: torch.Tensor) -> torch.Tensor:
+        moved.append(flat.clone())
+        return moved[-1]
+
+    move_index_tensors(batch, move)
+    assert len(moved) == 1
+    storage = moved[0].untyped_storage().data_ptr()
+    after = {"ids": batch.input_ids, "pos": batch.positions, "slots": batch.slot_mapping, "logits": batch.logits_index}
+    for key, t in after.items():
+        assert torch.equal(t, before[key]) and t.untyped_storage().data_ptr() == storage, key
+    for group, old in zip(batch.groups, before_groups, strict=True):
+        for name, t in old.items():
+            new = getattr(group, name)
+            assert torch.equal(new, t) and new.untyped_storage().data_ptr() == storage, name
+    assert sum(t.numel() for t in after.values()) + sum(t.numel() for g in before_groups for t in g.values()) \
+        == moved[0].numel()
+
+    group = next(g for g in batch.groups if g.query_pos is not None)
+    assert group._mask is None  # not made until asked
+    mask = group.mask
+    assert mask is not None and group.mask is mask  # made once, then shared by every layer
