@@ -99,14 +99,18 @@ def distill_draft(args: argparse.Namespace) -> Path:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 weights, tf32 products: the draft is tiny either way
     tokenizer = AutoTokenizer.from_pretrained(str(args.target))
-    target = LlamaForCausalLM.from_pretrained(str(args.target), dtype=torch.float32).eval()
+    target = LlamaForCausalLM.from_pretrained(str(args.target), dtype=torch.float32).eval().to(device)
     target.requires_grad_(False)
     train_files, heldout_files = corpus.split()
     if args.max_files is not None:
         train_files, heldout_files = train_files[: args.max_files], heldout_files[:2]
-    train = encode_files(tokenizer, train_files, args.token_cache)
-    heldout = fixed_windows(encode_files(tokenizer, heldout_files), args.seq_len, limit=16)
+    train = load_corpus_tokens(args.corpus_tokens, tokenizer) if args.corpus_tokens is not None \
+        else encode_files(tokenizer, train_files, args.token_cache)
+    heldout = fixed_windows(encode_files(tokenizer, heldout_files), args.seq_len, limit=16).to(device)
 
     shape = TINY_SHAPE if args.tiny else DRAFT_SHAPE
     shape = replace(
@@ -131,6 +135,7 @@ def distill_draft(args: argparse.Namespace) -> Path:
             draft.model.embed_tokens.weight.copy_(init * (emb.std() / init.std()))
             if not shape.tied:
                 draft.lm_head.weight.copy_(draft.model.embed_tokens.weight)
+    draft.to(device)  # type: ignore[arg-type]  # transformers' typing of PreTrainedModel.to
     log.info("draft parameters: %d", sum(p.numel() for p in draft.parameters()))
 
     opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -166,7 +171,7 @@ def distill_draft(args: argparse.Namespace) -> Path:
         lr = cosine_lr(clock.progress(step), args.lr)
         for group in opt.param_groups:
             group["lr"] = lr
-        inputs = random_windows(train, args.batch_size, args.seq_len, gen)[:, :-1]
+        inputs = random_windows(train, args.batch_size, args.seq_len, gen)[:, :-1].to(device, non_blocking=True)
         with torch.no_grad():
             t_logits = target(inputs).logits.reshape(-1, len(tokenizer))  # [batch * seq, vocab]
         d_logits = draft(inputs).logits.reshape(-1, len(tokenizer))
@@ -199,12 +204,35 @@ def distill_draft(args: argparse.Namespace) -> Path:
         seq_len=args.seq_len,
         peak_lr=args.lr,
         hard_weight=args.hard_weight,
+        device=device.type,
     )
-    save_checkpoint(draft, tokenizer, args.out, meta)
+    if args.corpus_tokens is not None:
+        meta["corpus_tokens"] = {"file": args.corpus_tokens.name, "tokens": len(train)}
+    save_checkpoint(draft.cpu(), tokenizer, args.out, meta)
     log.info(
         "done: %d steps in %.1f min, held-out agreement %.4f -> %s", step, clock.elapsed() / 60, agreement, args.out
     )
     return args.out
+
+
+def load_corpus_tokens(path: Path, tokenizer: Any) -> Any:
+    """A training stream saved by `encode_files` (its token cache): the corpus of this machine's stdlib, taken
+    to another machine (a GPU host with another Python, whose stdlib would be another corpus and split)."""
+    import pickle
+
+    import torch
+
+    try:
+        stream = torch.load(path, weights_only=True)
+    except (OSError, RuntimeError, ValueError, pickle.UnpicklingError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise SystemExit(f"distill_draft: --corpus-tokens {path}: cannot read a token stream: {first}") from exc
+    if not isinstance(stream, torch.Tensor) or stream.dim() != 1 or stream.is_floating_point() or len(stream) < 2:
+        raise SystemExit(f"distill_draft: --corpus-tokens {path}: not a 1-D integer token stream")
+    if int(stream.min()) < 0 or int(stream.max()) >= len(tokenizer):
+        raise SystemExit(f"distill_draft: --corpus-tokens {path}: token ids outside the target's vocabulary "
+                         f"(0..{len(tokenizer) - 1}); was it encoded with this tokenizer?")
+    return stream.long()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -221,6 +249,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--intermediate", type=int, default=None, help="MLP width of a new or grown draft")
     parser.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None,
                         help="lm_head shares the embedding table (default: the draft shape's choice)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (the target and the draft both run there)")
+    parser.add_argument("--corpus-tokens", type=Path, default=None,
+                        help="train on this saved token stream (an --token-cache file) instead of encoding the "
+                             "stdlib here: keeps the corpus and split of the machine that wrote it")
     args = parser.parse_args(argv)
     if args.init_from is not None and args.grow_from is not None:
         parser.error("--init-from and --grow-from exclude each other")

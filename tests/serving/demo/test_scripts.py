@@ -33,6 +33,22 @@ def test_tokenizer_target_draft_and_evaluate_rebuild(tmp_path, capsys):
     assert (config.num_hidden_layers, config.tie_word_embeddings) == (3, False)
     with pytest.raises(SystemExit):  # --init-from keeps the checkpoint's shape; reshaping is --grow-from's job
         distill_draft.main([*TINY, "--init-from", str(draft_dir), "--layers", "3"])
+
+    # a token stream saved elsewhere (int16, as carried to a GPU host) instead of this machine's stdlib
+    stream = tmp_path / "tokens.pt"
+    torch.save(torch.randint(0, 300, (5000,), generator=torch.Generator().manual_seed(0)).to(torch.int16), stream)
+    from_stream = tmp_path / "from-stream"
+    distill_draft.main([*TINY, "--target", str(target_dir), "--out", str(from_stream), "--corpus-tokens", str(stream)])
+    record = json.loads((from_stream / "training.json").read_text())
+    assert record["corpus_tokens"] == {"file": "tokens.pt", "tokens": 5000} and record["device"] == "cpu"
+    torch.save(torch.tensor([1, 2, 300]), tmp_path / "wide.pt")  # 300 is past the 300-token vocabulary
+    (tmp_path / "text.pt").write_text("not a tensor")
+    for bad, says in (("wide.pt", "outside the target's vocabulary"), ("text.pt", "cannot read a token stream"),
+                      ("missing.pt", "cannot read a token stream")):
+        with pytest.raises(SystemExit, match=says):
+            distill_draft.main([*TINY, "--target", str(target_dir), "--out", str(tmp_path / "bad"),
+                                "--corpus-tokens", str(tmp_path / bad)])
+    assert not (tmp_path / "bad").exists()
     for path in (target_dir, draft_dir):
         model = AutoModelForCausalLM.from_pretrained(str(path))
         assert model.config.vocab_size == 300
