@@ -19,7 +19,7 @@ import torch
 
 from serving.config import CompileMode
 from serving.engine.compile import BucketDecision
-from serving.engine.config import EngineConfig
+from serving.engine.config import DType, EngineConfig
 from serving.engine.engine import LLMEngine
 from serving.engine.step_profile import StepBreakdown, profile_steps
 from serving.engine.types import GenerationRequest, SamplingParams
@@ -152,12 +152,13 @@ def run_engine_benchmark(
     device: str = "cpu",
     repeats: int = 2,
     compile_mode: CompileMode = "auto",
+    dtype: DType = "auto",
 ) -> EngineBenchReport:
     torch.set_num_threads(threads)
     max_c = max(concurrencies)
     config = EngineConfig(model=str(model_dir), device=device, kv_cache_bytes=256 * 2**20,
                           max_num_seqs=max(max_c, 1), max_num_batched_tokens=max(512, max_c),
-                          num_threads=threads, compile=compile_mode)
+                          num_threads=threads, compile=compile_mode, dtype=dtype)
     engine = LLMEngine.from_config(config)
     prompts = default_prompts(model_dir, engine.tokenizer)
     report = EngineBenchReport(model=str(model_dir), device=str(engine.device), dtype=str(engine.dtype),

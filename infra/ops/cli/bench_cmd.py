@@ -39,6 +39,8 @@ def register(subparsers: Any) -> None:
     engine.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="model.compile for the engine (auto: compiled small steps on CUDA only; on: also on "
                              "CPU, each bucket kept only where it beat eager at warm-up; the report lists them)")
+    engine.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
+                        help="weight and activation precision of the engine and the baselines (auto: fp32 on CPU)")
     engine.add_argument("--quantization", choices=("int8", "fp8"),
                         help="instead: the quantized engine beside the unquantized one (held-out perplexity, "
                              "weight bytes, tokens/s at each concurrency); fp8 needs a GPU of capability >= 8.9")
@@ -68,6 +70,8 @@ def register(subparsers: Any) -> None:
                            "compiled on CPU too, each bucket kept only where it beat eager at warm-up)")
     spec.add_argument("--no-adaptive", action="store_true",
                       help="draft k tokens at every speculating step instead of letting the policy choose 0..k")
+    spec.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
+                      help="precision of every engine and baseline measured (auto: fp32 on CPU)")
     spec.set_defaults(func=_bench_spec)
 
     prefix = actions.add_parser(
@@ -142,7 +146,7 @@ def _bench_engine(args: argparse.Namespace) -> int:
     concurrencies = _concurrencies(args.concurrency)
     report = run_engine_benchmark(_model_dir(args.model), concurrencies, args.output_len, args.threads,
                                   baselines=not args.no_baselines, profile=args.profile, device=args.device,
-                                  repeats=args.repeats, compile_mode=args.compile)
+                                  repeats=args.repeats, compile_mode=args.compile, dtype=args.dtype)
     data = report.to_dict()
     profile = data.pop("profile")
     text = json.dumps(data, indent=2)
@@ -196,7 +200,7 @@ def _bench_spec(args: argparse.Namespace) -> int:
     report = run_spec_benchmark(_model_dir(args.target), _model_dir(args.draft, "draft"),
                                 _concurrencies(args.concurrency), args.output_len, args.prompts, args.k,
                                 args.threads, baselines=not args.no_baselines, repeats=max(args.repeats, 1),
-                                compile_mode=args.compile, adaptive=not args.no_adaptive)
+                                compile_mode=args.compile, adaptive=not args.no_adaptive, dtype=args.dtype)
     text = json.dumps(report.to_dict(), indent=2)
     sys.stdout.write(text + "\n")
     if args.json_out:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from serving.engine.batch import SequenceInput, build_forward_batch
-from serving.engine.config import CompileMode, EngineConfig, SpeculativeConfig
+from serving.engine.config import CompileMode, DType, EngineConfig, SpeculativeConfig
 from serving.engine.engine import LLMEngine
 from serving.engine.kv_cache import BlockManager, KVCache
 from serving.engine.model import Transformer
@@ -83,10 +83,11 @@ class SpecBenchReport:
 
 
 def make_engine(target: Path, spec: SpeculativeConfig, max_num_seqs: int, threads: int,
-                compile_mode: CompileMode = "auto") -> LLMEngine:
+                compile_mode: CompileMode = "auto", dtype: DType = "auto") -> LLMEngine:
     return LLMEngine.from_config(EngineConfig(
         model=str(target), device="cpu", kv_cache_bytes=256 * 2**20, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max(512, max_num_seqs), num_threads=threads, speculative=spec, compile=compile_mode,
+        dtype=dtype,
     ))
 
 
@@ -238,15 +239,16 @@ def run_spec_benchmark(
     repeats: int = 2,
     compile_mode: CompileMode = "auto",
     adaptive: bool = True,
+    dtype: DType = "auto",
 ) -> SpecBenchReport:
     torch.set_num_threads(threads)
     max_c = max(concurrencies)
-    off = make_engine(target, SpeculativeConfig(enabled=False), max_c, threads, compile_mode)
+    off = make_engine(target, SpeculativeConfig(enabled=False), max_c, threads, compile_mode, dtype)
     on_draft = make_engine(target, SpeculativeConfig(enabled=True, method="draft", draft_model=str(draft),
                                                      num_draft_tokens=k, adaptive=adaptive),
-                           max_c, threads, compile_mode)
+                           max_c, threads, compile_mode, dtype)
     on_ngram = make_engine(target, SpeculativeConfig(enabled=True, method="ngram", num_draft_tokens=k,
-                                                     adaptive=adaptive), max_c, threads, compile_mode)
+                                                     adaptive=adaptive), max_c, threads, compile_mode, dtype)
     if off.tokenizer is None:
         raise ValueError(f"{target} has no tokenizer: the spec benchmark encodes the held-out text prompts")
     prompts = load_prompts(off.tokenizer, num_prompts)
@@ -272,8 +274,8 @@ def run_spec_benchmark(
     if baselines:
         from transformers import AutoModelForCausalLM
 
-        hf: Any = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-        hf_draft: Any = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
+        hf: Any = AutoModelForCausalLM.from_pretrained(target, dtype=off.dtype).eval()
+        hf_draft: Any = AutoModelForCausalLM.from_pretrained(draft, dtype=off.dtype).eval()
         run_hf(hf, "warmup", prompts[:1], 8)
         report.c1.append(run_hf(hf, "hf_generate", prompts, output_len))
         for system, kwargs in (("hf_assisted", {"assistant_model": hf_draft}),
