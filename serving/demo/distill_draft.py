@@ -111,6 +111,9 @@ def distill_draft(args: argparse.Namespace) -> Path:
     train = load_corpus_tokens(args.corpus_tokens, tokenizer) if args.corpus_tokens is not None \
         else encode_files(tokenizer, train_files, args.token_cache)
     heldout = fixed_windows(encode_files(tokenizer, heldout_files), args.seq_len, limit=16).to(device)
+    generated = load_target_outputs(args.target_outputs, tokenizer, args.seq_len) \
+        if args.target_outputs is not None else None
+    n_generated = round(args.target_outputs_share * args.batch_size) if generated is not None else 0
 
     shape = TINY_SHAPE if args.tiny else DRAFT_SHAPE
     shape = replace(
@@ -171,7 +174,11 @@ def distill_draft(args: argparse.Namespace) -> Path:
         lr = cosine_lr(clock.progress(step), args.lr)
         for group in opt.param_groups:
             group["lr"] = lr
-        inputs = random_windows(train, args.batch_size, args.seq_len, gen)[:, :-1].to(device, non_blocking=True)
+        parts = [random_windows(train, args.batch_size - n_generated, args.seq_len, gen)] \
+            if n_generated < args.batch_size else []
+        if n_generated:
+            parts.append(generated_windows(generated, n_generated, args.seq_len, gen))
+        inputs = torch.cat(parts)[:, :-1].to(device, non_blocking=True)
         with torch.no_grad():
             t_logits = target(inputs).logits.reshape(-1, len(tokenizer))  # [batch * seq, vocab]
         d_logits = draft(inputs).logits.reshape(-1, len(tokenizer))
@@ -208,6 +215,9 @@ def distill_draft(args: argparse.Namespace) -> Path:
     )
     if args.corpus_tokens is not None:
         meta["corpus_tokens"] = {"file": args.corpus_tokens.name, "tokens": len(train)}
+    if generated is not None:
+        meta["target_outputs"] = {"file": args.target_outputs.name, "rows": len(generated),
+                                  "row_tokens": generated.shape[1], "per_batch": n_generated}
     save_checkpoint(draft.cpu(), tokenizer, args.out, meta)
     log.info(
         "done: %d steps in %.1f min, held-out agreement %.4f -> %s", step, clock.elapsed() / 60, agreement, args.out
@@ -215,7 +225,7 @@ def distill_draft(args: argparse.Namespace) -> Path:
     return args.out
 
 
-def load_corpus_tokens(path: Path, tokenizer: Any) -> Any:
+def load_corpus_tokens(path: Path, tokenizer: Any, what: str = "--corpus-tokens", dims: int = 1) -> Any:
     """A training stream saved by `encode_files` (its token cache): the corpus of this machine's stdlib, taken
     to another machine (a GPU host with another Python, whose stdlib would be another corpus and split)."""
     import pickle
@@ -226,13 +236,31 @@ def load_corpus_tokens(path: Path, tokenizer: Any) -> Any:
         stream = torch.load(path, weights_only=True)
     except (OSError, RuntimeError, ValueError, pickle.UnpicklingError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise SystemExit(f"distill_draft: --corpus-tokens {path}: cannot read a token stream: {first}") from exc
-    if not isinstance(stream, torch.Tensor) or stream.dim() != 1 or stream.is_floating_point() or len(stream) < 2:
-        raise SystemExit(f"distill_draft: --corpus-tokens {path}: not a 1-D integer token stream")
+        raise SystemExit(f"distill_draft: {what} {path}: cannot read a token stream: {first}") from exc
+    if not isinstance(stream, torch.Tensor) or stream.dim() != dims or stream.is_floating_point() or len(stream) < 2:
+        raise SystemExit(f"distill_draft: {what} {path}: not a {dims}-D integer tensor of token ids")
     if int(stream.min()) < 0 or int(stream.max()) >= len(tokenizer):
-        raise SystemExit(f"distill_draft: --corpus-tokens {path}: token ids outside the target's vocabulary "
+        raise SystemExit(f"distill_draft: {what} {path}: token ids outside the target's vocabulary "
                          f"(0..{len(tokenizer) - 1}); was it encoded with this tokenizer?")
     return stream.long()
+
+
+def load_target_outputs(path: Path, tokenizer: Any, seq_len: int) -> Any:
+    """Rows written by `serving.demo.target_outputs` (prompt + the target's greedy continuation), checked."""
+    rows = load_corpus_tokens(path, tokenizer, what="--target-outputs", dims=2)
+    if rows.shape[1] < seq_len + 1:
+        raise SystemExit(f"distill_draft: --target-outputs {path}: rows of {rows.shape[1]} tokens are shorter than "
+                         f"--seq-len + 1 = {seq_len + 1}")
+    return rows
+
+
+def generated_windows(rows: Any, count: int, length: int, gen: Any) -> Any:
+    """[count, length + 1] windows from random rows of the target's outputs, each at a random offset in its row."""
+    import torch
+
+    picks = torch.randint(0, len(rows), (count,), generator=gen)
+    offsets = torch.randint(0, rows.shape[1] - length, (count,), generator=gen)
+    return torch.stack([rows[r, o : o + length + 1] for r, o in zip(picks.tolist(), offsets.tolist(), strict=True)])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -253,7 +281,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--corpus-tokens", type=Path, default=None,
                         help="train on this saved token stream (an --token-cache file) instead of encoding the "
                              "stdlib here: keeps the corpus and split of the machine that wrote it")
+    parser.add_argument("--target-outputs", type=Path, default=None,
+                        help="rows of the target's own greedy continuations (python -m serving.demo.target_outputs) "
+                             "mixed into every batch")
+    parser.add_argument("--target-outputs-share", type=float, default=0.5,
+                        help="fraction of each batch taken from --target-outputs (default %(default)s)")
     args = parser.parse_args(argv)
+    if not 0.0 <= args.target_outputs_share <= 1.0:
+        parser.error("--target-outputs-share must be between 0 and 1")
     if args.init_from is not None and args.grow_from is not None:
         parser.error("--init-from and --grow-from exclude each other")
     if args.init_from is not None and (args.layers, args.intermediate, args.tied) != (None, None, None):

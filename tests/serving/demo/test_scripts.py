@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from serving.demo import build_tokenizer, distill_draft, evaluate, train_target
+from serving.demo import build_tokenizer, distill_draft, evaluate, target_outputs, train_target
 
 TINY = ["--tiny", "--steps", "2", "--batch-size", "2", "--seq-len", "32", "--max-files", "4", "--threads", "1"]
 
@@ -48,6 +48,32 @@ def test_tokenizer_target_draft_and_evaluate_rebuild(tmp_path, capsys):
         with pytest.raises(SystemExit, match=says):
             distill_draft.main([*TINY, "--target", str(target_dir), "--out", str(tmp_path / "bad"),
                                 "--corpus-tokens", str(tmp_path / bad)])
+    assert not (tmp_path / "bad").exists()
+
+    # the target's own greedy continuations, mixed into the draft's batches
+    outputs = tmp_path / "outputs.pt"
+    target_outputs.main(["--target", str(target_dir), "--out", str(outputs), "--windows", "6", "--prompt-len", "9",
+                         "--new-tokens", "24", "--concurrency", "4", "--corpus-tokens", str(stream)])
+    rows = torch.load(outputs)
+    assert rows.shape == (6, 33) and rows.dtype == torch.int16
+    prompt = rows[0, :9].tolist()  # each row is a prompt from the stream, then the target's greedy tokens
+    with torch.no_grad():  # greedy by hand: eos is just another token here, as with ignore_eos
+        model = AutoModelForCausalLM.from_pretrained(str(target_dir)).eval()
+        ids = list(prompt)
+        for _ in range(24):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert rows[0, 9:].tolist() == ids[9:]
+    mixed = tmp_path / "mixed"
+    distill_draft.main([*TINY, "--target", str(target_dir), "--out", str(mixed), "--corpus-tokens", str(stream),
+                        "--target-outputs", str(outputs), "--target-outputs-share", "1.0"])
+    record = json.loads((mixed / "training.json").read_text())
+    assert record["target_outputs"] == {"file": "outputs.pt", "rows": 6, "row_tokens": 33, "per_batch": 2}
+    with pytest.raises(SystemExit, match="shorter than --seq-len"):  # rows of 33 tokens, windows of 64 + 1
+        distill_draft.main([*TINY, "--seq-len", "64", "--target", str(target_dir), "--out", str(tmp_path / "bad"),
+                            "--target-outputs", str(outputs)])
+    with pytest.raises(SystemExit, match="not a 2-D integer tensor"):
+        distill_draft.main([*TINY, "--target", str(target_dir), "--out", str(tmp_path / "bad"),
+                            "--target-outputs", str(stream)])
     assert not (tmp_path / "bad").exists()
     for path in (target_dir, draft_dir):
         model = AutoModelForCausalLM.from_pretrained(str(path))
