@@ -178,7 +178,7 @@ def distill_draft(args: argparse.Namespace) -> Path:
             if n_generated < args.batch_size else []
         if n_generated:
             parts.append(generated_windows(generated, n_generated, args.seq_len, gen))
-        inputs = torch.cat(parts)[:, :-1].to(device, non_blocking=True)
+        inputs = torch.cat(parts)[:, :-1].to(device)
         with torch.no_grad():
             t_logits = target(inputs).logits.reshape(-1, len(tokenizer))  # [batch * seq, vocab]
         d_logits = draft(inputs).logits.reshape(-1, len(tokenizer))

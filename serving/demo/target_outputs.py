@@ -22,15 +22,19 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from serving.demo import corpus
 from serving.demo.training import MODELS_DIR, encode_files
 
+if TYPE_CHECKING:
+    import torch
+
 log = logging.getLogger(__name__)
 
 
-def generate(target: Path, stream: object, windows: int, prompt_len: int, new_tokens: int, concurrency: int,
-             seed: int, max_minutes: float) -> object:
+def generate(target: Path, stream: torch.Tensor, windows: int, prompt_len: int, new_tokens: int, concurrency: int,
+             seed: int, max_minutes: float) -> torch.Tensor:
     """[n, prompt_len + new_tokens] rows (n <= windows: fewer when the time box ends first)."""
     import torch
 
@@ -38,7 +42,6 @@ def generate(target: Path, stream: object, windows: int, prompt_len: int, new_to
     from serving.engine.engine import LLMEngine
     from serving.engine.types import GenerationRequest, SamplingParams
 
-    assert isinstance(stream, torch.Tensor)
     engine = LLMEngine.from_config(EngineConfig(
         model=str(target), device="cpu", max_num_seqs=concurrency, max_num_batched_tokens=max(512, concurrency),
         kv_cache_bytes=256 * 2**20, max_model_len=prompt_len + new_tokens,
@@ -107,7 +110,6 @@ def main(argv: list[str] | None = None) -> None:
     started = time.monotonic()
     rows = generate(args.target, stream, args.windows, args.prompt_len, args.new_tokens, args.concurrency,
                     args.seed, args.max_minutes)
-    assert isinstance(rows, torch.Tensor)
     if len(rows) == 0:
         raise SystemExit("target_outputs: no row finished inside --max-minutes; nothing written")
     tmp = args.out.with_name(args.out.name + ".tmp")

@@ -114,8 +114,8 @@ def kernel_profile(engine: LLMEngine, prompt: list[int], steps: int = 32, top: i
         elif event.name.startswith("aten::"):
             aten_ops[event.name] = aten_ops.get(event.name, 0) + 1
 
-    def per_step(counts: dict[str, int], top: int) -> dict[str, float]:
-        ranked = sorted(counts.items(), key=lambda item: -item[1])[:top]
+    def per_step(counts: dict[str, int], most: int) -> dict[str, float]:
+        ranked = sorted(counts.items(), key=lambda item: -item[1])[:most]
         return {name: round(count / max(done, 1), 1) for name, count in ranked}
     busy_us = sum(sum(times) for times in per_name.values())
     ranked = sorted(per_name.items(), key=lambda item: -sum(item[1]))

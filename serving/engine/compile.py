@@ -354,7 +354,7 @@ class DecodeGraph:
 
     def __init__(self, fn: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]], rows: int, width: int,
                  device: torch.device, capture: bool, pool: Any = None) -> None:
-        self.fn, self.rows, self.capture, self.pool = fn, rows, capture, pool
+        self.fn, self.capture, self.pool = fn, capture, pool
         self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)
         self.tables = torch.zeros(rows, width, dtype=torch.int32, device=device)
