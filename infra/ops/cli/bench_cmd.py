@@ -63,7 +63,9 @@ def register(subparsers: Any) -> None:
     spec.add_argument("--threads", type=int, default=1, help="torch threads for every system measured")
     spec.add_argument("--no-baselines", action="store_true", help="skip transformers assisted generation")
     spec.add_argument("--repeats", type=int, default=2,
-                      help="throughput runs per system and concurrency, interleaved; the best counts (default 2)")
+                      help="c=1: passes over the prompts, every prompt on each system back to back (all "
+                           "requests count); throughput: runs per system and concurrency, interleaved, the best "
+                           "counts (default 2)")
     spec.add_argument("--json-out", type=Path, help="also write the JSON report to this file")
     spec.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                       help="model.compile for every engine measured (on: the target's and the draft's small steps "
@@ -269,8 +271,8 @@ def _print_spec_tables(report: Any) -> None:
     from rich.table import Table
 
     console = Console(file=sys.stdout, width=120)
-    c1 = Table(title=f"c=1, {report.prompts} held-out code prompts, {report.output_len} tokens each, greedy, "
-                     f"k <= {report.num_draft_tokens}")
+    c1 = Table(title=f"c=1, {report.prompts} held-out code prompts x {report.c1_rounds} interleaved rounds, "
+                     f"{report.output_len} tokens each, greedy, k <= {report.num_draft_tokens}")
     for col in ("system", "tokens/s", "P50 s", "P99 s", "acceptance", "mean accepted length"):
         c1.add_column(col, justify="left" if col == "system" else "right")
     for r in report.c1:

@@ -71,6 +71,10 @@ class SpecBenchReport:
     # target's own c=1 outputs (so independent of the k the policy picked)
     draft_alpha: list[float] = field(default_factory=list)
     c1_draft_k_histogram: dict[int, int] = field(default_factory=dict)  # k chosen -> sequence-steps, c=1 run
+    # median over (round, prompt) of spec-off latency ÷ draft latency, the two run back to back: the c=1 speed-up
+    # least moved by a shared machine's drift
+    c1_draft_paired_speedup: float | None = None
+    c1_rounds: int = 1  # passes over the prompts at c=1, each prompt on every system back to back
     counters: dict[str, dict[str, Any]] = field(default_factory=dict)  # proposer -> its engine's SpecStats, whole run
     # where a c=1 step goes, spec off and draft (one more sequential pass each, profiled: StepBreakdown fields)
     c1_step_split: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -91,34 +95,82 @@ def make_engine(target: Path, spec: SpeculativeConfig, max_num_seqs: int, thread
     ))
 
 
+def run_one(engine: LLMEngine, request_id: str, prompt: list[int], output_len: int) -> tuple[float, list[int]]:
+    """One request alone on the engine, greedy: (end-to-end seconds, generated tokens)."""
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    start = time.perf_counter()
+    engine.add_request(GenerationRequest(request_id, prompt, params))
+    generated: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            generated += out.new_token_ids
+    return time.perf_counter() - start, generated
+
+
+def _spec_counts(engine: LLMEngine) -> tuple[int, int, int]:
+    spec = engine.stats().spec
+    return spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_drafts
+
+
+def _latency_run(system: str, latencies: list[float], tokens: int, counts: tuple[int, int, int]) -> LatencyRun:
+    drafted, accepted, rounds = counts
+    return LatencyRun(
+        system, len(latencies), tokens, tokens / sum(latencies), statistics.median(latencies),
+        percentile(latencies, 99) or 0.0,
+        acceptance_rate=accepted / drafted if drafted else None,
+        mean_accepted_length=(accepted + rounds) / rounds if rounds else None,
+    )
+
+
 def run_sequential(
     engine: LLMEngine, system: str, prompts: list[list[int]], output_len: int, outputs: list[list[int]] | None = None
 ) -> LatencyRun:
     """c=1: one request at a time, end-to-end latency per request (generated tokens appended to outputs)."""
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     latencies, tokens = [], 0
-    before = engine.stats().spec
-    drafted, accepted, rounds = before.num_draft_tokens, before.num_accepted_tokens, before.num_drafts
+    before = _spec_counts(engine)
     for i, prompt in enumerate(prompts):
-        start = time.perf_counter()
-        engine.add_request(GenerationRequest(f"{system}-{i}", prompt, params))
-        generated: list[int] = []
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                generated += out.new_token_ids
-        latencies.append(time.perf_counter() - start)
+        seconds, generated = run_one(engine, f"{system}-{i}", prompt, output_len)
+        latencies.append(seconds)
         tokens += len(generated)
         if outputs is not None:
             outputs.append(generated)
-    spec = engine.stats().spec
-    d_drafted, d_accepted, d_rounds = (spec.num_draft_tokens - drafted, spec.num_accepted_tokens - accepted,
-                                       spec.num_drafts - rounds)
-    return LatencyRun(
-        system, len(prompts), tokens, tokens / sum(latencies), statistics.median(latencies),
-        percentile(latencies, 99) or 0.0,
-        acceptance_rate=d_accepted / d_drafted if d_drafted else None,
-        mean_accepted_length=(d_accepted + d_rounds) / d_rounds if d_rounds else None,
-    )
+    after = _spec_counts(engine)
+    return _latency_run(system, latencies, tokens, (after[0] - before[0], after[1] - before[1], after[2] - before[2]))
+
+
+def run_interleaved(
+    engines: dict[str, LLMEngine], prompts: list[list[int]], output_len: int, rounds: int
+) -> tuple[list[LatencyRun], dict[str, list[list[int]]], list[float]]:
+    """c=1 on several engines side by side: each prompt runs on every engine back to back (the order rotating
+    from prompt to prompt), for `rounds` passes over the prompts. A slow stretch of a shared machine then
+    lands on all systems alike instead of on whichever ran during it.
+
+    Returns a LatencyRun per system over all its requests, each system's outputs of the first round, and for
+    every (round, prompt) the first system's latency over the second's: the paired ratios."""
+    systems = list(engines)
+    latencies: dict[str, list[float]] = {s: [] for s in systems}
+    tokens = dict.fromkeys(systems, 0)
+    outputs: dict[str, list[list[int]]] = {s: [] for s in systems}
+    before = {s: _spec_counts(e) for s, e in engines.items()}
+    paired: list[float] = []
+    for r in range(rounds):
+        for i, prompt in enumerate(prompts):
+            shift = (r * len(prompts) + i) % len(systems)
+            seconds = {}
+            for system in systems[shift:] + systems[:shift]:
+                seconds[system], generated = run_one(engines[system], f"{system}-{r}-{i}", prompt, output_len)
+                latencies[system].append(seconds[system])
+                tokens[system] += len(generated)
+                if r == 0:
+                    outputs[system].append(generated)
+            if len(systems) >= 2:
+                paired.append(seconds[systems[0]] / seconds[systems[1]])
+    runs = []
+    for system, engine in engines.items():
+        after, start = _spec_counts(engine), before[system]
+        counts = (after[0] - start[0], after[1] - start[1], after[2] - start[2])
+        runs.append(_latency_run(system, latencies[system], tokens[system], counts))
+    return runs, outputs, paired
 
 
 def run_concurrent(engine: LLMEngine, prompts: list[list[int]], concurrency: int, output_len: int) -> float:
@@ -257,14 +309,16 @@ def run_spec_benchmark(
 
     for engine in (off, on_draft, on_ngram):  # warm-up, and a first fit of the policy's cost model
         run_concurrent(engine, prompts, 2, 16)
-    outputs: dict[str, list[list[int]]] = {"off": [], "draft": [], "ngram": []}
-    report.c1.append(run_sequential(off, "spec_off", prompts, output_len, outputs["off"]))
+    # c=1 side by side: every prompt on spec off, draft and n-gram back to back, `repeats` passes
     k_before = dict(on_draft.stats().spec.k_histogram)
-    report.c1.append(run_sequential(on_draft, "spec_draft", prompts, output_len, outputs["draft"]))
+    report.c1_rounds = max(repeats, 1)
+    runs, outputs, paired = run_interleaved({"spec_off": off, "spec_draft": on_draft, "spec_ngram": on_ngram},
+                                            prompts, output_len, report.c1_rounds)
+    report.c1 += runs
+    report.c1_draft_paired_speedup = statistics.median(paired)
     report.c1_draft_k_histogram = {kk: v - k_before.get(kk, 0) for kk, v in on_draft.stats().spec.k_histogram.items()
                                    if v - k_before.get(kk, 0)}
-    report.c1.append(run_sequential(on_ngram, "spec_ngram", prompts, output_len, outputs["ngram"]))
-    report.greedy_identical = outputs["off"] == outputs["draft"] == outputs["ngram"]
+    report.greedy_identical = outputs["spec_off"] == outputs["spec_draft"] == outputs["spec_ngram"]
     for system, engine in (("spec_off", off), ("spec_draft", on_draft)):
         split = profile_steps(engine, functools.partial(run_sequential, engine, system, prompts, output_len), 1)
         report.c1_step_split[system] = asdict(split)
@@ -307,7 +361,7 @@ def run_spec_benchmark(
     draft_model = getattr(proposer, "model", None)
     report.ceiling = measure_ceiling(off.model, draft_model, k)
     if draft_model is not None:
-        report.draft_alpha = measure_alpha(draft_model, prompts, outputs["off"], k)
+        report.draft_alpha = measure_alpha(draft_model, prompts, outputs["spec_off"], k)
         report.ceiling["draft_expected_speedup_at_alpha"] = expected_speedup(report.draft_alpha, k, report.ceiling)
     report.ratios = spec_ratios(report)
     return report
@@ -320,6 +374,8 @@ def spec_ratios(report: SpecBenchReport) -> dict[str, float]:
     if off and draft:
         ratios["c1_draft_over_off"] = draft.tokens_per_s / off.tokens_per_s  # goal >= 2.5
         ratios["c1_draft_p99_over_off_p99"] = draft.p99_latency_s / off.p99_latency_s  # goal <= 0.5
+    if report.c1_draft_paired_speedup is not None:
+        ratios["c1_draft_paired_speedup"] = report.c1_draft_paired_speedup
     if off and ngram:
         ratios["c1_ngram_over_off"] = ngram.tokens_per_s / off.tokens_per_s
         ratios["c1_ngram_p99_over_off_p99"] = ngram.p99_latency_s / off.p99_latency_s

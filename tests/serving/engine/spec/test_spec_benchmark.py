@@ -44,3 +44,29 @@ def test_the_spec_bench_without_the_policy_drafts_k_and_splits_the_c1_step() -> 
     off, draft = report.c1_step_split["spec_off"], report.c1_step_split["spec_draft"]
     assert off["steps"] >= 2 * 24 and off["drafting_ms"] == 0.0
     assert 0 < draft["steps"] < off["steps"] and draft["drafting_ms"] > 0.0
+
+
+def test_interleaved_c1_runs_every_prompt_on_every_engine_back_to_back(kit: Any, llama_dir: Path) -> None:
+    """The c=1 comparison alternates systems prompt by prompt (order rotating), so drift hits all of them."""
+    from serving.engine.spec.benchmark import run_interleaved
+
+    engines = {"a": kit.make_engine(llama_dir), "b": kit.make_engine(llama_dir)}
+    order: list[str] = []
+    for name, engine in engines.items():
+        add = engine.add_request
+
+        def recording(request: Any, _add: Any = add, _name: str = name) -> None:
+            order.append(f"{_name}:{request.request_id}")
+            _add(request)
+
+        engine.add_request = recording  # type: ignore[method-assign]
+    prompts = kit.random_prompts([9, 14, 5], seed=4)
+    runs, outputs, paired = run_interleaved(engines, prompts, output_len=6, rounds=2)
+
+    # round r, prompt i: both systems, starting with the one the rotation picks
+    assert order[:4] == ["a:a-0-0", "b:b-0-0", "b:b-0-1", "a:a-0-1"]
+    assert len(order) == 2 * 3 * 2
+    assert [r.system for r in runs] == ["a", "b"]
+    assert all(r.requests == 6 and r.output_tokens == 36 for r in runs)
+    assert outputs["a"] == outputs["b"] and [len(o) for o in outputs["a"]] == [6, 6, 6]  # first round only
+    assert len(paired) == 6 and all(p > 0 for p in paired)
