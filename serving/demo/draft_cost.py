@@ -38,7 +38,7 @@ def measure(target: Path, drafts: list[Path], rounds: int, context: int, threads
     import torch
 
     from serving.engine.loader import load_model
-    from serving.engine.spec.benchmark import forward_seconds
+    from serving.engine.timing import forward_seconds
 
     torch.set_num_threads(threads)
     paths = [target, *drafts]

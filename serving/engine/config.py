@@ -19,6 +19,7 @@ from serving.config import (
     ServerConfig,
     SpeculativeSection,
     StrictModel,
+    WeightPacking,
     check_step_budget,
     section_field,
 )
@@ -44,6 +45,7 @@ class EngineConfig(StrictModel):
     max_model_len: int | None = section_field(ModelSection, "max_model_len")
     quantization: Quantization = section_field(ModelSection, "quantization")
     compile: CompileMode = section_field(ModelSection, "compile")
+    cpu_weight_packing: WeightPacking = section_field(ModelSection, "cpu_weight_packing")
     max_queue: int = section_field(SchedulerSection, "max_queue")
     enable_prefix_caching: bool = section_field(SchedulerSection, "enable_prefix_caching")
     seed: int = Field(0, description="Seeds the generators of requests that bring no seed.")
@@ -78,6 +80,7 @@ class EngineConfig(StrictModel):
             max_model_len=model.max_model_len,
             quantization=model.quantization,
             compile=model.compile,
+            cpu_weight_packing=model.cpu_weight_packing,
             max_queue=scheduler.max_queue,
             enable_prefix_caching=scheduler.enable_prefix_caching,
             speculative=config.speculative,

@@ -18,6 +18,7 @@ import torch
 from serving.engine.batch import ForwardBatch, ForwardBatchBuilder, SequenceInput
 from serving.engine.compile import CompiledForward, buckets_up_to
 from serving.engine.config import EngineConfig
+from serving.engine.cpu_linear import PackingDecision, choose, unsupported_reason
 from serving.engine.grammar import RequestGrammar, apply_grammar_masks
 from serving.engine.kv_cache import BlockManager, KVCache, kv_bytes_per_block
 from serving.engine.loader import load_model, read_model_args, resolve_dtype
@@ -83,6 +84,7 @@ class LLMEngine:
         if speculator is not None and isinstance(speculator.proposer, DraftModelProposer):  # the draft alike
             speculator.proposer.model.set_paged_attention(model.paged_attention)
         self.tp_group: TensorParallelGroup | None = None  # ranks 1..tp-1 (from_config starts them)
+        self.weight_packing: list[PackingDecision] = []  # per model (target, draft): set by pack_weights()
 
     # ---- construction -------------------------------------------------------------------------------
 
@@ -126,6 +128,7 @@ class LLMEngine:
                 tp_group.shutdown()
             raise
         engine.tp_group = tp_group
+        engine.pack_weights()  # CPU: measured per model at start-up, before ready (serving.engine.cpu_linear)
         if compiles(config.compile, device) and tp_group is None:
             engine.compile_steps()  # part of start-up: the server reports ready only after it
         return engine
@@ -137,6 +140,9 @@ class LLMEngine:
         measure (default: on CPU only): time each bucket eager and compiled, keep the compiled graph only
         where it is faster. whole_decode (default: with paged attention, i.e. on CUDA): also capture decode
         steps whole, attention included (serving.engine.compile). backend: torch.compile's ("eager" in tests)."""
+        if any(d.packed for d in self.weight_packing):
+            raise ValueError("compile_steps needs plain nn.Linear weights, but this engine's are packed for oneDNN "
+                             "(model.cpu_weight_packing); build the engine with cpu_weight_packing off to compile")
         num_drafts = self.config.speculative.num_draft_tokens if self.config.speculative.enabled else 0
         largest = min(self.config.max_num_seqs * (1 + num_drafts), self.config.max_num_batched_tokens)
         measure = self.device.type == "cpu" if measure is None else measure
@@ -146,6 +152,16 @@ class LLMEngine:
         proposer = self.speculator.proposer if self.speculator is not None else None
         if isinstance(proposer, DraftModelProposer):  # the draft's steps: one token per sequence
             proposer.compile_steps(self.config.max_num_seqs, measure, whole_decode, backend)
+
+    def pack_weights(self) -> None:
+        """model.cpu_weight_packing: pack the target's and the draft's matmul weights for oneDNN, or not."""
+        config = self.config
+        reason_not = unsupported_reason(self.device, self.dtype, config.quantization,
+                                        compiles(config.compile, self.device), self.tp_group is not None)
+        self.weight_packing = [choose(self.model, "target", config.cpu_weight_packing, reason_not)]
+        proposer = self.speculator.proposer if self.speculator is not None else None
+        if isinstance(proposer, DraftModelProposer):
+            self.weight_packing.append(choose(proposer.model, "draft", config.cpu_weight_packing, reason_not))
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes, if any (the engine runs no step after this)."""

@@ -39,6 +39,9 @@ def register(subparsers: Any) -> None:
     engine.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="model.compile for the engine (auto: compiled small steps on CUDA only; on: also on "
                              "CPU, each bucket kept only where it beat eager at warm-up; the report lists them)")
+    engine.add_argument("--cpu-weight-packing", choices=("auto", "on", "off"), default="auto",
+                        help="model.cpu_weight_packing of every engine measured (auto: per model, packed for oneDNN "
+                             "where a one-token step measured no slower at start-up; the report lists the decisions)")
     engine.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
                         help="weight and activation precision of the engine and the baselines (auto: fp32 on CPU)")
     engine.add_argument("--quantization", choices=("int8", "fp8"),
@@ -67,6 +70,9 @@ def register(subparsers: Any) -> None:
                            "requests count); throughput: runs per system and concurrency, interleaved, the best "
                            "counts (default 2)")
     spec.add_argument("--json-out", type=Path, help="also write the JSON report to this file")
+    spec.add_argument("--cpu-weight-packing", choices=("auto", "on", "off"), default="auto",
+                      help="model.cpu_weight_packing of every engine measured (auto: per model, packed for oneDNN "
+                           "where a one-token step measured no slower at start-up; the report lists the decisions)")
     spec.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                       help="model.compile for every engine measured (on: the target's and the draft's small steps "
                            "compiled on CPU too, each bucket kept only where it beat eager at warm-up)")
@@ -148,7 +154,8 @@ def _bench_engine(args: argparse.Namespace) -> int:
     concurrencies = _concurrencies(args.concurrency)
     report = run_engine_benchmark(_model_dir(args.model), concurrencies, args.output_len, args.threads,
                                   baselines=not args.no_baselines, profile=args.profile, device=args.device,
-                                  repeats=args.repeats, compile_mode=args.compile, dtype=args.dtype)
+                                  repeats=args.repeats, compile_mode=args.compile, dtype=args.dtype,
+                                  weight_packing=args.cpu_weight_packing)
     data = report.to_dict()
     profile = data.pop("profile")
     text = json.dumps(data, indent=2)
@@ -202,7 +209,8 @@ def _bench_spec(args: argparse.Namespace) -> int:
     report = run_spec_benchmark(_model_dir(args.target), _model_dir(args.draft, "draft"),
                                 _concurrencies(args.concurrency), args.output_len, args.prompts, args.k,
                                 args.threads, baselines=not args.no_baselines, repeats=max(args.repeats, 1),
-                                compile_mode=args.compile, adaptive=not args.no_adaptive, dtype=args.dtype)
+                                compile_mode=args.compile, adaptive=not args.no_adaptive, dtype=args.dtype,
+                                weight_packing=args.cpu_weight_packing)
     text = json.dumps(report.to_dict(), indent=2)
     sys.stdout.write(text + "\n")
     if args.json_out:

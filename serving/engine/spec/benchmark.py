@@ -16,12 +16,14 @@ from typing import Any
 
 import torch
 
+from serving.config import WeightPacking
 from serving.engine.batch import SequenceInput, build_forward_batch
 from serving.engine.config import CompileMode, DType, EngineConfig, SpeculativeConfig
 from serving.engine.engine import LLMEngine
 from serving.engine.kv_cache import BlockManager, KVCache
 from serving.engine.model import Transformer
 from serving.engine.step_profile import profile_steps
+from serving.engine.timing import forward_seconds
 from serving.engine.types import GenerationRequest, SamplingParams
 from serving.stats import percentile
 
@@ -75,6 +77,7 @@ class SpecBenchReport:
     # least moved by a shared machine's drift
     c1_draft_paired_speedup: float | None = None
     c1_rounds: int = 1  # passes over the prompts at c=1, each prompt on every system back to back
+    weight_packing: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # engine -> PackingDecision per model
     counters: dict[str, dict[str, Any]] = field(default_factory=dict)  # proposer -> its engine's SpecStats, whole run
     # where a c=1 step goes, spec off and draft (one more sequential pass each, profiled: StepBreakdown fields)
     c1_step_split: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -87,11 +90,12 @@ class SpecBenchReport:
 
 
 def make_engine(target: Path, spec: SpeculativeConfig, max_num_seqs: int, threads: int,
-                compile_mode: CompileMode = "auto", dtype: DType = "auto") -> LLMEngine:
+                compile_mode: CompileMode = "auto", dtype: DType = "auto",
+                weight_packing: WeightPacking = "auto") -> LLMEngine:
     return LLMEngine.from_config(EngineConfig(
         model=str(target), device="cpu", kv_cache_bytes=256 * 2**20, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max(512, max_num_seqs), num_threads=threads, speculative=spec, compile=compile_mode,
-        dtype=dtype,
+        dtype=dtype, cpu_weight_packing=weight_packing,
     ))
 
 
@@ -198,25 +202,6 @@ def run_hf(model: Any, system: str, prompts: list[list[int]], output_len: int, *
                       percentile(latencies, 99) or 0.0)
 
 
-@torch.inference_mode()
-def forward_seconds(model: Transformer, context: int, new_tokens: int, repeats: int = 20) -> float:
-    """Median time of one forward of new_tokens tokens after `context` cached ones (one sequence)."""
-    args = model.args
-    device, dtype = model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
-    blocks = BlockManager(64, 16)
-    cache = KVCache(args.n_layers, 64, 16, args.n_kv_heads, args.head_dim, dtype, device)
-    blocks.allocate("s", context + new_tokens)
-    tokens = [1] * new_tokens
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        batch = build_forward_batch([SequenceInput(tokens, context, blocks.block_table("s"),
-                                                   list(range(new_tokens)))], 16, args.n_rep, device, dtype)
-        model.compute_logits(model(batch, cache), batch.logits_index).argmax(-1).tolist()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def measure_ceiling(target: Transformer, draft: Transformer | None, k: int, context: int = 128) -> dict[str, float]:
     """Speed-up at full acceptance: (k + 1) decode steps replaced by one verify of k + 1 tokens + k draft steps."""
     decode = forward_seconds(target, context, 1)
@@ -292,28 +277,30 @@ def run_spec_benchmark(
     compile_mode: CompileMode = "auto",
     adaptive: bool = True,
     dtype: DType = "auto",
+    weight_packing: WeightPacking = "auto",
 ) -> SpecBenchReport:
     torch.set_num_threads(threads)
     max_c = max(concurrencies)
-    off = make_engine(target, SpeculativeConfig(enabled=False), max_c, threads, compile_mode, dtype)
+    engine_args = (max_c, threads, compile_mode, dtype, weight_packing)
+    off = make_engine(target, SpeculativeConfig(enabled=False), *engine_args)
     on_draft = make_engine(target, SpeculativeConfig(enabled=True, method="draft", draft_model=str(draft),
-                                                     num_draft_tokens=k, adaptive=adaptive),
-                           max_c, threads, compile_mode, dtype)
+                                                     num_draft_tokens=k, adaptive=adaptive), *engine_args)
     on_ngram = make_engine(target, SpeculativeConfig(enabled=True, method="ngram", num_draft_tokens=k,
-                                                     adaptive=adaptive), max_c, threads, compile_mode, dtype)
+                                                     adaptive=adaptive), *engine_args)
     if off.tokenizer is None:
         raise ValueError(f"{target} has no tokenizer: the spec benchmark encodes the held-out text prompts")
     prompts = load_prompts(off.tokenizer, num_prompts)
     report = SpecBenchReport(str(target), str(draft), torch.get_num_threads(), k, len(prompts), output_len,
                              compile_mode, adaptive)
+    systems = {"spec_off": off, "spec_draft": on_draft, "spec_ngram": on_ngram}
+    report.weight_packing = {name: [asdict(d) for d in engine.weight_packing] for name, engine in systems.items()}
 
     for engine in (off, on_draft, on_ngram):  # warm-up, and a first fit of the policy's cost model
         run_concurrent(engine, prompts, 2, 16)
     # c=1 side by side: every prompt on spec off, draft and n-gram back to back, `repeats` passes
     k_before = dict(on_draft.stats().spec.k_histogram)
     report.c1_rounds = max(repeats, 1)
-    runs, outputs, paired = run_interleaved({"spec_off": off, "spec_draft": on_draft, "spec_ngram": on_ngram},
-                                            prompts, output_len, report.c1_rounds)
+    runs, outputs, paired = run_interleaved(systems, prompts, output_len, report.c1_rounds)
     report.c1 += runs
     report.c1_draft_paired_speedup = statistics.median(paired)
     report.c1_draft_k_histogram = {kk: v - k_before.get(kk, 0) for kk, v in on_draft.stats().spec.k_histogram.items()

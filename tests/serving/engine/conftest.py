@@ -59,7 +59,10 @@ def random_prompts(lengths: list[int], vocab: int = 128, seed: int = 1) -> list[
 
 
 def make_engine(model_dir: Path, **overrides: object) -> LLMEngine:
-    settings: dict[str, object] = {"kv_cache_bytes": 8 * 2**20, "max_num_batched_tokens": 128, "max_num_seqs": 32}
+    # plain nn.Linear unless a test asks for packing: `auto` measures at start-up and could go either way for a
+    # tiny model; tests/serving/engine/test_cpu_linear.py runs the packed path (and once ran this whole suite so)
+    settings: dict[str, object] = {"kv_cache_bytes": 8 * 2**20, "max_num_batched_tokens": 128, "max_num_seqs": 32,
+                                   "cpu_weight_packing": "off"}
     return LLMEngine.from_config(EngineConfig(model=str(model_dir), **{**settings, **overrides}))
 
 

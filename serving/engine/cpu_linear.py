@@ -1,0 +1,148 @@
+"""Matmul weights packed for oneDNN on CPU (`model.cpu_weight_packing`).
+
+`nn.Linear` on CPU multiplies with MKL's sgemm against the transposed weight, and for the short, wide
+activations of decoding its time grows almost linearly with the rows from the first row on: a verify step
+of 9 tokens costs ~4.5x a 1-token step in the matmuls, although the weights are read once either way. Packing
+reorders each weight once, at load, into oneDNN's blocked layout and multiplies with
+`torch.ops.mkldnn._linear_pointwise` (what inductor's CPU freezing pass emits). Measured here (2-core AMD
+EPYC, one thread, the demo target's four matmuls of a layer plus its lm_head, weights hot in cache):
+
+    rows                     1     2     4     9    16    32    64
+    aten::linear (µs)      116   207   388   525   710 1,399 2,525
+    packed (µs)            138   137   140   206   301   541 1,006
+
+So packing wins from two rows on (2.5x at 9-64 rows), and costs ~20 % at one row when the weights sit in
+cache (a small model, e.g. a draft). When they do not (the demo target's 28 MB streams from memory every
+step) the packed one-row step was faster too. Hence per model, measured:
+
+- `auto` (default): on CPU, for the target and the draft each, a one-token decode step is timed with dense
+  and with packed weights (interleaved rounds); packed is kept unless it is slower by more than the noise.
+  Both copies exist only during that measurement.
+- `on`: pack on CPU without measuring. `off`: never.
+
+Packing applies only where it can: CPU, fp32 (or bf16 where oneDNN supports it), no quantization, no tensor
+parallelism, and not under `model.compile: on` (inductor makes its own choices there). The numbers are the
+same matmul up to fp32 summation order (~1e-6 relative), the same for every row count within a step, so
+verification stays lossless: spec-off and spec-on steps run the same packed weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from serving.config import WeightPacking
+from serving.engine.model import Transformer
+from serving.engine.timing import forward_seconds
+
+log = logging.getLogger(__name__)
+
+ROWS_HINT = 32  # the batch size oneDNN blocks the packed weight for (the best of 1-64 at every row count, measured)
+_ROUNDS = 7  # interleaved timing rounds in `auto`
+_TOLERANCE = 1.03  # packed is kept unless its one-token step is slower than this factor of dense
+
+
+@dataclass
+class PackingDecision:
+    model: str  # "target" or "draft"
+    packed: bool
+    reason: str  # why (measured times, or why packing does not apply)
+    dense_step_ms: float | None = None  # one-token decode step, median of the rounds (auto only)
+    packed_step_ms: float | None = None
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T + b with W reordered once into oneDNN's blocked layout (an opaque mkldnn tensor)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROWS_HINT)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed_weight, self.bias,
+                                                 "none", [], "")
+        return out.view(*lead, self.out_features)
+
+
+def unsupported_reason(device: torch.device, dtype: torch.dtype, quantization: str, compiled: bool,
+                       tensor_parallel: bool) -> str | None:
+    """Why packing cannot apply to a model loaded this way; None when it can."""
+    if device.type != "cpu":
+        return f"device {device.type}: packing is for CPU"
+    if not torch.backends.mkldnn.is_available():
+        return "this torch build has no oneDNN (mkldnn)"
+    if quantization != "none":
+        return f"quantization {quantization}: the quantized matmuls are used as they are"
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "this CPU has no oneDNN bf16 support"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"dtype {dtype}: packing supports fp32 and bf16"
+    if compiled:
+        return "model.compile is on: inductor chooses the matmuls of compiled steps"
+    if tensor_parallel:
+        return "tensor parallelism: ranks keep their plain sharded weights"
+    return None
+
+
+def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute, module) of every nn.Linear of the model."""
+    found: list[tuple[nn.Module, str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            parent, _, child = name.rpartition(".")
+            found.append((model.get_submodule(parent) if parent else model, child, module))
+    return found
+
+
+def pack(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """Replace every nn.Linear of the model by a PackedLinear; returns the (parent, attribute, Linear) replaced."""
+    replaced = _linears(model)
+    for parent, child, linear in replaced:
+        assert isinstance(linear, nn.Linear)
+        setattr(parent, child, PackedLinear(linear.weight, linear.bias))
+    return replaced
+
+
+def _swap(slots: list[tuple[nn.Module, str, nn.Module]]) -> list[tuple[nn.Module, str, nn.Module]]:
+    """Put each given module in its slot; returns the modules that were there (to swap back)."""
+    previous = [(parent, child, getattr(parent, child)) for parent, child, _ in slots]
+    for parent, child, module in slots:
+        setattr(parent, child, module)
+    return previous
+
+
+def choose(model: Transformer, name: str, mode: WeightPacking, reason_not: str | None) -> PackingDecision:
+    """Pack the model's matmul weights or not, as `mode` says (see the module docstring); returns the decision."""
+    if mode == "off":
+        return PackingDecision(name, False, "model.cpu_weight_packing is off")
+    if reason_not is not None:
+        return PackingDecision(name, False, reason_not)
+    if mode == "on":
+        pack(model)
+        return PackingDecision(name, True, "model.cpu_weight_packing is on")
+    context = max(min(128, model.max_model_len - 1), 0)  # cached tokens before the timed one
+    forward_seconds(model, context, 1, repeats=3)  # warm-up, dense
+    dense_modules = pack(model)
+    forward_seconds(model, context, 1, repeats=3)  # warm-up, packed (oneDNN makes its primitive once)
+    dense: list[float] = []
+    packed: list[float] = []
+    for _ in range(_ROUNDS):  # interleaved, so a busy moment of a shared machine weighs on both alike
+        packed.append(forward_seconds(model, context, 1, repeats=5))
+        packed_modules = _swap(dense_modules)
+        dense.append(forward_seconds(model, context, 1, repeats=5))
+        dense_modules = _swap(packed_modules)
+    d, p = statistics.median(dense), statistics.median(packed)
+    keep = p <= d * _TOLERANCE
+    if not keep:
+        _swap(dense_modules)
+    decision = PackingDecision(name, keep, f"one-token step {p * 1e3:.2f} ms packed vs {d * 1e3:.2f} ms dense",
+                               d * 1e3, p * 1e3)
+    log.info("cpu weight packing, %s: %s (%s)", name, "packed" if keep else "dense", decision.reason)
+    return decision
