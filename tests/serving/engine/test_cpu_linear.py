@@ -122,3 +122,15 @@ def test_the_server_config_key_reaches_the_engine_and_bad_values_are_refused() -
     assert ServerConfig.model_validate({"model": {"path": "/m"}}).model.cpu_weight_packing == "auto"
     with pytest.raises(ValidationError, match="cpu_weight_packing"):
         ServerConfig.model_validate({"model": {"path": "/m", "cpu_weight_packing": "yes"}})
+
+
+def test_weight_bytes_count_packed_weights(kit: Any, llama_dir: Path) -> None:
+    from serving.engine.quant import weight_bytes
+
+    model = kit.PagedRunner(llama_dir).model
+    dense = weight_bytes(model)
+    tied = model.args.tie_word_embeddings
+    pack(model)
+    # a tied lm_head gets its own packed copy beside the embedding's dense table
+    extra = model.output.weight_nbytes if tied else 0
+    assert weight_bytes(model) == dense + extra
