@@ -21,9 +21,11 @@ step) the packed one-row step was faster too. Hence per model, measured:
 - `on`: pack on CPU without measuring. `off`: never.
 
 Packing applies only where it can: CPU, fp32 (or bf16 where oneDNN supports it), no quantization, no tensor
-parallelism, and not under `model.compile: on` (inductor makes its own choices there). The numbers are the
-same matmul up to fp32 summation order (~1e-6 relative), the same for every row count within a step, so
-verification stays lossless: spec-off and spec-on steps run the same packed weights.
+parallelism, and not under `model.compile: on` (inductor cannot lower `_linear_pointwise` on an already packed
+weight). The product differs from `nn.Linear`'s only in fp32 summation order (a few 1e-6 relative). Spec-off,
+draft and verify steps of an engine all run the same packed weights, so drafts are checked against the logits
+the engine would sample from anyway; greedy outputs with spec off, draft and n-gram were identical in every
+bench run (docs/engine.md).
 """
 
 from __future__ import annotations
