@@ -149,8 +149,8 @@ def run_interleaved(
     from prompt to prompt), for `rounds` passes over the prompts. A slow stretch of a shared machine then
     lands on all systems alike instead of on whichever ran during it.
 
-    Returns a LatencyRun per system over all its requests, each system's outputs of the first round, and for
-    every (round, prompt) the first system's latency over the second's: the paired ratios."""
+    Returns a LatencyRun per system over all its requests, each system's outputs (round by round, prompt by
+    prompt), and for every (round, prompt) the first system's latency over the second's: the paired ratios."""
     systems = list(engines)
     latencies: dict[str, list[float]] = {s: [] for s in systems}
     tokens = dict.fromkeys(systems, 0)
@@ -165,8 +165,7 @@ def run_interleaved(
                 seconds[system], generated = run_one(engines[system], f"{system}-{r}-{i}", prompt, output_len)
                 latencies[system].append(seconds[system])
                 tokens[system] += len(generated)
-                if r == 0:
-                    outputs[system].append(generated)
+                outputs[system].append(generated)
             if len(systems) >= 2:
                 paired.append(seconds[systems[0]] / seconds[systems[1]])
     runs = []
@@ -305,6 +304,7 @@ def run_spec_benchmark(
     report.c1_draft_paired_speedup = statistics.median(paired)
     report.c1_draft_k_histogram = {kk: v - k_before.get(kk, 0) for kk, v in on_draft.stats().spec.k_histogram.items()
                                    if v - k_before.get(kk, 0)}
+    # every pass of every prompt: greedy is deterministic, so each system must give spec off's tokens every time
     report.greedy_identical = outputs["spec_off"] == outputs["spec_draft"] == outputs["spec_ngram"]
     for system, engine in (("spec_off", off), ("spec_draft", on_draft)):
         split = profile_steps(engine, functools.partial(run_sequential, engine, system, prompts, output_len), 1)
@@ -348,7 +348,7 @@ def run_spec_benchmark(
     draft_model = getattr(proposer, "model", None)
     report.ceiling = measure_ceiling(off.model, draft_model, k)
     if draft_model is not None:
-        report.draft_alpha = measure_alpha(draft_model, prompts, outputs["spec_off"], k)
+        report.draft_alpha = measure_alpha(draft_model, prompts, outputs["spec_off"][: len(prompts)], k)
         report.ceiling["draft_expected_speedup_at_alpha"] = expected_speedup(report.draft_alpha, k, report.ceiling)
     report.ratios = spec_ratios(report)
     return report

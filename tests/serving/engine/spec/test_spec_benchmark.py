@@ -68,5 +68,6 @@ def test_interleaved_c1_runs_every_prompt_on_every_engine_back_to_back(kit: Any,
     assert len(order) == 2 * 3 * 2
     assert [r.system for r in runs] == ["a", "b"]
     assert all(r.requests == 6 and r.output_tokens == 36 for r in runs)
-    assert outputs["a"] == outputs["b"] and [len(o) for o in outputs["a"]] == [6, 6, 6]  # first round only
+    assert outputs["a"] == outputs["b"] and [len(o) for o in outputs["a"]] == [6] * 6  # both rounds, prompt by prompt
+    assert outputs["a"][:3] == outputs["a"][3:]
     assert len(paired) == 6 and all(p > 0 for p in paired)
