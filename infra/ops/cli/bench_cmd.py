@@ -96,6 +96,8 @@ def register(subparsers: Any) -> None:
     prefix.add_argument("--output-len", type=int, default=32, help="tokens generated per request (default 32)")
     prefix.add_argument("--threads", type=int, default=1, help="torch threads")
     prefix.add_argument("--device", default="cpu", help="cpu or cuda")
+    prefix.add_argument("--cpu-weight-packing", choices=("auto", "on", "off"), default="auto",
+                        help="model.cpu_weight_packing of both engines (the JSON lists the decisions)")
     prefix.add_argument("--json-out", type=Path, help="also write the JSON report to this file")
     prefix.set_defaults(func=_bench_prefix)
 
@@ -252,7 +254,7 @@ def _bench_prefix(args: argparse.Namespace) -> int:
         if getattr(args, flag) < 1:
             raise CommandError(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
     report = run_prefix_benchmark(_model_dir(args.model), args.requests, args.concurrency, args.system_tokens,
-                                  args.output_len, args.threads, args.device)
+                                  args.output_len, args.threads, args.device, args.cpu_weight_packing)
     text = json.dumps(report.to_dict(), indent=2)
     sys.stdout.write(text + "\n")
     if args.json_out:

@@ -43,3 +43,13 @@ def test_bench_prefix_command_prints_json_and_a_table(
 def test_bench_prefix_command_names_a_bad_flag(llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "prefix", "--model", str(llama_dir), "--requests", "0"]) != 0
     assert "--requests must be a positive integer" in capsys.readouterr().err
+
+
+def test_bench_prefix_passes_weight_packing_to_both_engines(tmp_path: Path) -> None:
+    out = tmp_path / "prefix.json"
+    code = main(["bench", "prefix", "--system-tokens", "64", "--requests", "2", "--output-len", "2",
+                 "--cpu-weight-packing", "on", "--json-out", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert [(d["model"], d["packed"]) for d in report["weight_packing"]] == [("target", True)]
+    assert report["outputs_identical"] is True
