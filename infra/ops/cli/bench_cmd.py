@@ -13,6 +13,13 @@ from typing import Any
 
 from infra.ops.cli.main import CommandError
 
+# model.cpu_weight_packing of every engine a bench builds (serving.engine.cpu_linear)
+_PACKING_ARG: dict[str, Any] = {
+    "choices": ("auto", "on", "off"), "default": "auto",  # serving.config.WeightPacking (not imported at start-up)
+    "help": "model.cpu_weight_packing of every engine measured (auto: per model, packed for oneDNN where a one-token "
+            "step measured no slower at start-up; the JSON lists the decisions)",
+}
+
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("bench", help="benchmark the serving engine")
@@ -39,9 +46,7 @@ def register(subparsers: Any) -> None:
     engine.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="model.compile for the engine (auto: compiled small steps on CUDA only; on: also on "
                              "CPU, each bucket kept only where it beat eager at warm-up; the report lists them)")
-    engine.add_argument("--cpu-weight-packing", choices=("auto", "on", "off"), default="auto",
-                        help="model.cpu_weight_packing of every engine measured (auto: per model, packed for oneDNN "
-                             "where a one-token step measured no slower at start-up; the report lists the decisions)")
+    engine.add_argument("--cpu-weight-packing", **_PACKING_ARG)
     engine.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
                         help="weight and activation precision of the engine and the baselines (auto: fp32 on CPU)")
     engine.add_argument("--quantization", choices=("int8", "fp8"),
@@ -70,9 +75,7 @@ def register(subparsers: Any) -> None:
                            "requests count); throughput: runs per system and concurrency, interleaved, the best "
                            "counts (default 2)")
     spec.add_argument("--json-out", type=Path, help="also write the JSON report to this file")
-    spec.add_argument("--cpu-weight-packing", choices=("auto", "on", "off"), default="auto",
-                      help="model.cpu_weight_packing of every engine measured (auto: per model, packed for oneDNN "
-                           "where a one-token step measured no slower at start-up; the report lists the decisions)")
+    spec.add_argument("--cpu-weight-packing", **_PACKING_ARG)
     spec.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                       help="model.compile for every engine measured (on: the target's and the draft's small steps "
                            "compiled on CPU too, each bucket kept only where it beat eager at warm-up)")
@@ -96,8 +99,7 @@ def register(subparsers: Any) -> None:
     prefix.add_argument("--output-len", type=int, default=32, help="tokens generated per request (default 32)")
     prefix.add_argument("--threads", type=int, default=1, help="torch threads")
     prefix.add_argument("--device", default="cpu", help="cpu or cuda")
-    prefix.add_argument("--cpu-weight-packing", choices=("auto", "on", "off"), default="auto",
-                        help="model.cpu_weight_packing of both engines (the JSON lists the decisions)")
+    prefix.add_argument("--cpu-weight-packing", **_PACKING_ARG)
     prefix.add_argument("--json-out", type=Path, help="also write the JSON report to this file")
     prefix.set_defaults(func=_bench_prefix)
 

@@ -122,6 +122,13 @@ def test_the_server_config_key_reaches_the_engine_and_bad_values_are_refused() -
     assert ServerConfig.model_validate({"model": {"path": "/m"}}).model.cpu_weight_packing == "auto"
     with pytest.raises(ValidationError, match="cpu_weight_packing"):
         ServerConfig.model_validate({"model": {"path": "/m", "cpu_weight_packing": "yes"}})
+    # the benches' --cpu-weight-packing spells the same choices without importing the config at start-up
+    from typing import get_args
+
+    from infra.ops.cli.bench_cmd import _PACKING_ARG
+    from serving.config import WeightPacking
+
+    assert tuple(_PACKING_ARG["choices"]) == get_args(WeightPacking)
 
 
 def test_weight_bytes_count_packed_weights(kit: Any, llama_dir: Path) -> None:
