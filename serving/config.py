@@ -98,6 +98,8 @@ TensorParallelSize = Literal[1, 2, 4, 8]
 CompileMode = Literal["auto", "on", "off"]
 # auto: on CPU, each model's matmul weights packed for oneDNN where a one-token step measures no slower
 WeightPacking = Literal["auto", "on", "off"]
+# auto: on CPU, a draft model's greedy steps run as one compiled graph where that measures faster at start-up
+DraftRolloutMode = Literal["auto", "on", "off"]
 
 
 class ModelSection(StrictModel):
@@ -169,6 +171,11 @@ class SpeculativePolicy(StrictModel):
     adaptive: bool = Field(True, description="Choose k per step from measured cost and acceptance (0 allowed).")
     ngram_min: int = Field(1, ge=1, le=8, description="Shortest suffix matched by the n-gram proposer.")
     ngram_max: int = Field(4, ge=1, le=16, description="Longest suffix matched by the n-gram proposer.")
+    draft_rollout: DraftRolloutMode = Field(
+        "auto", description="CPU, method draft: the draft model's catch-up token(s) and its k greedy drafts run "
+        "as one graph compiled by inductor at start-up, before ready (needs a C++ compiler), instead of one eager "
+        "forward per token. auto: kept where the start-up measurement finds it faster; on: always; off: never.",
+    )
 
     @property
     def uses_draft_model(self) -> bool:

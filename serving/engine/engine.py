@@ -30,6 +30,7 @@ from serving.engine.scheduler import Scheduler, SchedulerOutput
 from serving.engine.spec.draft import DraftModelProposer
 from serving.engine.spec.ngram import NgramProposer
 from serving.engine.spec.proposer import Proposer
+from serving.engine.spec.rollout import RolloutDecision
 from serving.engine.spec.speculator import Speculator
 from serving.engine.types import (
     EngineStats,
@@ -85,6 +86,7 @@ class LLMEngine:
             speculator.proposer.model.set_paged_attention(model.paged_attention)
         self.tp_group: TensorParallelGroup | None = None  # ranks 1..tp-1 (from_config starts them)
         self.weight_packing: list[PackingDecision] = []  # per model (target, draft): set by pack_weights()
+        self.draft_rollout: RolloutDecision | None = None  # set by prepare_draft_rollout() (a draft model only)
 
     # ---- construction -------------------------------------------------------------------------------
 
@@ -129,6 +131,7 @@ class LLMEngine:
             raise
         engine.tp_group = tp_group
         engine.pack_weights()  # CPU: measured per model at start-up, before ready (serving.engine.cpu_linear)
+        engine.prepare_draft_rollout()  # CPU with a draft: compiled and measured now (serving.engine.spec.rollout)
         if compiles(config.compile, device) and tp_group is None:
             engine.compile_steps()  # part of start-up: the server reports ready only after it
         return engine
@@ -162,6 +165,14 @@ class LLMEngine:
         proposer = self.speculator.proposer if self.speculator is not None else None
         if isinstance(proposer, DraftModelProposer):
             self.weight_packing.append(choose(proposer.model, "draft", config.cpu_weight_packing, reason_not))
+
+    def prepare_draft_rollout(self) -> None:
+        """speculative.draft_rollout: the draft's catch-up and drafts as one compiled graph, or why not."""
+        proposer = self.speculator.proposer if self.speculator is not None else None
+        if isinstance(proposer, DraftModelProposer):
+            spec = self.config.speculative
+            self.draft_rollout = proposer.prepare_rollout(spec.draft_rollout, spec.num_draft_tokens,
+                                                          self.config.max_num_seqs)
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes, if any (the engine runs no step after this)."""

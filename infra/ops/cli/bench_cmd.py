@@ -76,6 +76,9 @@ def register(subparsers: Any) -> None:
                            "counts (default 2)")
     spec.add_argument("--json-out", type=Path, help="also write the JSON report to this file")
     spec.add_argument("--cpu-weight-packing", **_PACKING_ARG)
+    spec.add_argument("--draft-rollout", choices=("auto", "on", "off"), default="auto",
+                      help="speculative.draft_rollout of the draft engine (auto: the draft's catch-up and drafts as "
+                           "one compiled graph on CPU where the start-up measurement finds it faster)")
     spec.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                       help="model.compile for every engine measured (on: the target's and the draft's small steps "
                            "compiled on CPU too, each bucket kept only where it beat eager at warm-up)")
@@ -214,7 +217,7 @@ def _bench_spec(args: argparse.Namespace) -> int:
                                 _concurrencies(args.concurrency), args.output_len, args.prompts, args.k,
                                 args.threads, baselines=not args.no_baselines, repeats=max(args.repeats, 1),
                                 compile_mode=args.compile, adaptive=not args.no_adaptive, dtype=args.dtype,
-                                weight_packing=args.cpu_weight_packing)
+                                weight_packing=args.cpu_weight_packing, draft_rollout=args.draft_rollout)
     text = json.dumps(report.to_dict(), indent=2)
     sys.stdout.write(text + "\n")
     if args.json_out:
@@ -314,6 +317,10 @@ def _print_spec_tables(report: Any) -> None:
                       f"{split['python_ms']:.2f}, attention {split['attention_ms']:.2f}, matmuls "
                       f"{split['matmuls_ms']:.2f}, sampling {split['sampling_ms']:.2f}, "
                       f"drafting {split['drafting_ms']:.2f}")
+    if report.draft_rollout is not None:
+        state = "on" if report.draft_rollout["enabled"] else "off"
+        console.print(f"draft rollout {state} ({report.draft_rollout['reason']}): {report.draft_rollouts} rollouts "
+                      f"for {report.draft_rollout_seqs} sequence-steps over the whole bench")
     k_rule = "adaptive k" if report.adaptive else f"k = {report.num_draft_tokens} always"
     tp = Table(title=f"throughput, spec on / spec off ({k_rule}, best of interleaved repeats)")
     for col in ("c", "off tok/s", "draft tok/s", "n-gram tok/s", "draft on/off", "n-gram on/off", "draft k chosen"):

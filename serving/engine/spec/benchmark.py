@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from serving.config import WeightPacking
+from serving.config import DraftRolloutMode, WeightPacking
 from serving.engine.batch import SequenceInput, build_forward_batch
 from serving.engine.config import CompileMode, DType, EngineConfig, SpeculativeConfig
 from serving.engine.engine import LLMEngine
@@ -78,6 +78,9 @@ class SpecBenchReport:
     c1_draft_paired_speedup: float | None = None
     c1_rounds: int = 1  # passes over the prompts at c=1, each prompt on every system back to back
     weight_packing: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # engine -> PackingDecision per model
+    draft_rollout: dict[str, Any] | None = None  # the draft engine's RolloutDecision (speculative.draft_rollout)
+    draft_rollouts: int = 0  # compiled rollouts the draft engine ran over the whole bench, and the sequences in them
+    draft_rollout_seqs: int = 0
     counters: dict[str, dict[str, Any]] = field(default_factory=dict)  # proposer -> its engine's SpecStats, whole run
     # where a c=1 step goes, spec off and draft (one more sequential pass each, profiled: StepBreakdown fields)
     c1_step_split: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -277,13 +280,15 @@ def run_spec_benchmark(
     adaptive: bool = True,
     dtype: DType = "auto",
     weight_packing: WeightPacking = "auto",
+    draft_rollout: DraftRolloutMode = "auto",
 ) -> SpecBenchReport:
     torch.set_num_threads(threads)
     max_c = max(concurrencies)
     engine_args = (max_c, threads, compile_mode, dtype, weight_packing)
     off = make_engine(target, SpeculativeConfig(enabled=False), *engine_args)
     on_draft = make_engine(target, SpeculativeConfig(enabled=True, method="draft", draft_model=str(draft),
-                                                     num_draft_tokens=k, adaptive=adaptive), *engine_args)
+                                                     num_draft_tokens=k, adaptive=adaptive,
+                                                     draft_rollout=draft_rollout), *engine_args)
     on_ngram = make_engine(target, SpeculativeConfig(enabled=True, method="ngram", num_draft_tokens=k,
                                                      adaptive=adaptive), *engine_args)
     if off.tokenizer is None:
@@ -293,6 +298,7 @@ def run_spec_benchmark(
                              compile_mode, adaptive)
     systems = {"spec_off": off, "spec_draft": on_draft, "spec_ngram": on_ngram}
     report.weight_packing = {name: [asdict(d) for d in engine.weight_packing] for name, engine in systems.items()}
+    report.draft_rollout = asdict(on_draft.draft_rollout) if on_draft.draft_rollout is not None else None
 
     for engine in (off, on_draft, on_ngram):  # warm-up, and a first fit of the policy's cost model
         run_concurrent(engine, prompts, 2, 16)
@@ -346,6 +352,8 @@ def run_spec_benchmark(
                                      mean_accepted_length=stats.mean_accepted_length)
     proposer = on_draft.speculator.proposer if on_draft.speculator else None
     draft_model = getattr(proposer, "model", None)
+    report.draft_rollouts = getattr(proposer, "rollouts_total", 0)
+    report.draft_rollout_seqs = getattr(proposer, "rollout_seqs_total", 0)
     report.ceiling = measure_ceiling(off.model, draft_model, k)
     if draft_model is not None:
         report.draft_alpha = measure_alpha(draft_model, prompts, outputs["spec_off"][: len(prompts)], k)

@@ -30,6 +30,7 @@ from serving.engine.model import ModelArgs, Transformer
 from serving.engine.request import Request
 from serving.engine.sampling import SamplingRows, draw_uniforms, logits_to_probs, sample_from_probs
 from serving.engine.spec.proposer import Proposals
+from serving.engine.spec.rollout import MAX_LAG, DraftRollout, RolloutDecision, kept, prepare
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,9 @@ class DraftModelProposer:
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.builder = ForwardBatchBuilder(block_size, args.n_rep, self.device, self.dtype)
         self.compiled: CompiledForward | None = None  # compile_steps(): the draft's small steps as graphs
+        self.rollout: DraftRollout | None = None  # prepare_rollout(): catch-up and drafts as one graph
+        self.rollouts_total = 0  # compiled rollouts run, and the sequences they drafted for
+        self.rollout_seqs_total = 0
         self.computed: dict[str, int] = {}  # req_id -> tokens of the sequence in the draft cache
         self.catch_up_tokens_total = 0  # sequence tokens the draft computed (prompts, accepted and emitted tokens)
         self.prefix_hit_tokens_total = 0  # sequence tokens found in the draft's prefix cache instead
@@ -95,6 +99,11 @@ class DraftModelProposer:
         self.compiled = CompiledForward(self.model, buckets_up_to(max_rows), whole_decode=whole_decode,
                                         max_decode_rows=max_rows, backend=backend)
         self.compiled.warm_up(self.cache, self.builder, measure)
+
+    def prepare_rollout(self, mode: str, num_draft_tokens: int, max_rows: int) -> RolloutDecision:
+        """speculative.draft_rollout: compile (and in auto, measure) the rollout at start-up, before any request."""
+        self.rollout, decision = prepare(self.model, mode, num_draft_tokens, max_rows)  # type: ignore[arg-type]
+        return decision
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.compiled is not None:
@@ -134,8 +143,16 @@ class DraftModelProposer:
             # positions N .. N + k - 2 get draft K/V (the last draft is never fed back)
             if k > 0 and self.blocks.allocate(req.request_id, req.num_tokens + k - 1):
                 active.append(req)
-        if not active:
-            return drafts
+        rolled = self._rollout_rows(active, ks)
+        if rolled and not self._roll_out(rolled, ks, drafts):
+            rolled = []
+        stepped = [r for r in active if r not in rolled]
+        if stepped:
+            self._step_by_step(stepped, ks, drafts)
+        return drafts
+
+    def _step_by_step(self, active: list[Request], ks: dict[str, int], drafts: Proposals) -> None:
+        """One forward per draft position: the catch-up (drafting the first token), then k - 1 single tokens."""
         probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in active}
         walked: dict[str, int] = {}  # grammar requests: drafts their matcher accepted (rolled back at the end)
 
@@ -166,7 +183,74 @@ class DraftModelProposer:
         for req_id, rows in probs.items():
             if rows:
                 drafts.probs[req_id] = torch.stack(rows)
-        return drafts
+
+    def _rollout_rows(self, active: list[Request], ks: dict[str, int]) -> list[Request]:
+        """The sequences this step's rollout drafts for: greedy, plain, lagging by at most MAX_LAG tokens, with
+        room for every rollout step in the context; none unless a rollout is expected to cost less than their
+        step-by-step forwards."""
+        rollout = self.rollout
+        if rollout is None:
+            return []
+        rows = []
+        for r in active:
+            lag = self.lag(r)
+            if (r.params.greedy and r.grammar is None and not r.params.adjusts_logits and lag <= MAX_LAG
+                    and r.num_tokens - lag >= 1 and r.num_tokens - lag + rollout.steps <= self.model.max_model_len):
+                rows.append(r)
+        if not rows:
+            return []
+        k_max = max(ks[r.request_id] for r in rows)
+        forwards = [sum(self.lag(r) for r in rows)] + [sum(ks[r.request_id] > j for r in rows) for j in range(1, k_max)]
+        return rows if rollout.pays(len(rows), forwards) else []
+
+    def _roll_out(self, reqs: list[Request], ks: dict[str, int], drafts: Proposals) -> bool:
+        """Catch-up and drafts of these sequences as one compiled rollout; False (nothing changed) if the graph
+        refused the call, after which the rollout is off for good."""
+        assert self.rollout is not None
+        started = time.perf_counter()
+        bs, g, steps, dev = self.block_size, len(reqs), self.rollout.steps, self.device
+        lags = [self.lag(r) for r in reqs]
+        ctx = [r.num_tokens - lag for r, lag in zip(reqs, lags, strict=True)]  # tokens in the draft cache
+        tables = [self.blocks.block_table(r.request_id) for r in reqs]
+        width = -(-max(ctx) // bs)
+        flat = torch.tensor([b for t in tables for b in (t[:width] + [0] * (width - len(t[:width])))], device=dev)
+        shape = (self.cache.k.shape[0], g, width * bs, self.cache.n_kv_heads, self.cache.head_dim)
+        forced = [[0] * g for _ in range(steps)]
+        for i, r in enumerate(reqs):
+            for j in range(lags[i]):
+                forced[j][i] = r.all_token_ids[ctx[i] + j]
+        try:  # positions and ctx_len are equal but must be distinct tensors (the graphs' guards say so)
+            out, k_new, v_new = self.rollout((
+                torch.tensor(forced, device=dev), torch.tensor(lags, device=dev), torch.tensor(ctx, device=dev),
+                self.cache.k.index_select(1, flat).view(shape), self.cache.v.index_select(1, flat).view(shape),
+                torch.tensor(ctx, device=dev)))
+        except Exception as exc:  # a guard the warm-up did not foresee: draft step by step from now on
+            log.warning("draft rollout refused a call (%s); the draft proposes step by step from now on", exc)
+            self.rollout = None
+            return False
+        argmax = out.t().tolist()  # [G, steps]
+        rows, slots = [], []
+        for i, r in enumerate(reqs):
+            k = ks[r.request_id]
+            drafts.tokens[r.request_id] = argmax[i][lags[i] - 1 : lags[i] - 1 + k]
+            for j in range(lags[i] + k - 1):  # fed tokens kept: up to the last draft but one, as step by step
+                pos = ctx[i] + j
+                rows.append(j * g + i)
+                slots.append(tables[i][pos // bs] * bs + pos % bs)
+            self.computed[r.request_id] = r.num_tokens + k - 1
+            self.catch_up_tokens_total += lags[i]
+        index = torch.tensor(rows, device=dev)
+        self.cache.write_layers(torch.tensor(slots, device=dev), kept(k_new, index), kept(v_new, index))
+        for r in reqs:  # blocks now full of the sequence's own tokens become reusable by content
+            self.blocks.commit(r.request_id, r.all_token_ids, r.num_tokens)
+        seconds = time.perf_counter() - started
+        self.rollout.rollout_cost.observe(g, seconds)
+        self.rollouts_total += 1
+        self.rollout_seqs_total += g
+        # the policy charges each draft position a forward: here each costs a share of one rollout
+        for _ in range(max(ks[r.request_id] for r in reqs)):
+            drafts.forward_seconds.append((g, seconds / steps))
+        return True
 
     def _draft_step(self, reqs: list[Request], seqs: list[SequenceInput], drafts: Proposals,
                     probs: dict[str, list[torch.Tensor]], walked: dict[str, int]) -> None:
@@ -199,4 +283,7 @@ class DraftModelProposer:
             n = walked.get(r.request_id, 0)
             if r.grammar is not None and n >= 0:  # -(accepted + 1) once the matcher refuses: stop walking
                 walked[r.request_id] = n + 1 if r.grammar.accept(int(t)) else -(n + 1)
-        drafts.forward_seconds.append((batch.num_tokens, time.perf_counter() - started))
+        seconds = time.perf_counter() - started
+        drafts.forward_seconds.append((batch.num_tokens, seconds))
+        if self.rollout is not None:
+            self.rollout.eager_cost.observe(batch.num_tokens, seconds)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from serving.engine.batch import SequenceInput, build_forward_batch
-from serving.engine.config import EngineConfig
+from serving.engine.config import EngineConfig, SpeculativeConfig
 from serving.engine.engine import LLMEngine
 from serving.engine.kv_cache import BlockManager, KVCache
 from serving.engine.loader import load_model
@@ -63,6 +63,11 @@ def make_engine(model_dir: Path, **overrides: object) -> LLMEngine:
     # tiny model; tests/serving/engine/test_cpu_linear.py runs the packed path (and once ran this whole suite so)
     settings: dict[str, object] = {"kv_cache_bytes": 8 * 2**20, "max_num_batched_tokens": 128, "max_num_seqs": 32,
                                    "cpu_weight_packing": "off"}
+    # likewise the draft rollout (compiled at start-up: ~10-60 s a draft engine) unless a test sets it;
+    # tests/serving/engine/spec/test_rollout.py runs it
+    spec = overrides.get("speculative")
+    if isinstance(spec, SpeculativeConfig) and "draft_rollout" not in spec.model_fields_set:
+        overrides["speculative"] = spec.model_copy(update={"draft_rollout": "off"})
     return LLMEngine.from_config(EngineConfig(model=str(model_dir), **{**settings, **overrides}))
 
 

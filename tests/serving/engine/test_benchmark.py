@@ -88,3 +88,6 @@ def test_bench_spec_passes_dtype_and_weight_packing_to_every_engine(tmp_path: Pa
     assert report["c1_rounds"] == 1 and report["greedy_identical"] is True
     assert {r["system"]: r["requests"] for r in report["c1"]} == {"spec_off": 2, "spec_draft": 2, "spec_ngram": 2}
     assert report["c1_draft_paired_speedup"] > 0
+    # a packed draft cannot be rolled out (inductor cannot lower oneDNN's packed weights): it drafts step by step
+    assert report["draft_rollout"]["enabled"] is False and "packed" in report["draft_rollout"]["reason"]
+    assert report["draft_rollouts"] == 0

@@ -32,13 +32,15 @@ def test_expected_speedup_at_alpha() -> None:
 @pytest.mark.slow
 def test_the_spec_bench_without_the_policy_drafts_k_and_splits_the_c1_step() -> None:
     """`bench spec --no-adaptive` on the demo pair, shortened: every c=1 speculating step drafts k (short only
-    where a request's remaining tokens cap it), and the report splits a c=1 step of spec off and of draft."""
+    where a request's remaining tokens cap it), and the report splits a c=1 step of spec off and of draft. The
+    draft rollout is on: the demo draft's drafts come from the compiled rollout, and outputs stay identical."""
     from serving.demo import draft_path, target_path
     from serving.engine.spec.benchmark import run_spec_benchmark
 
     report = run_spec_benchmark(target_path(), draft_path(), [1], output_len=24, num_prompts=2, k=4, threads=1,
-                                baselines=False, repeats=1, adaptive=False)
+                                baselines=False, repeats=1, adaptive=False, draft_rollout="on")
     assert report.adaptive is False and report.greedy_identical
+    assert report.draft_rollout is not None and report.draft_rollout["enabled"] and report.draft_rollouts > 0
     hist = report.c1_draft_k_histogram
     assert max(hist) == 4 and sum(v for k, v in hist.items() if k != 4) <= 2, hist  # one capped step a request
     off, draft = report.c1_step_split["spec_off"], report.c1_step_split["spec_draft"]

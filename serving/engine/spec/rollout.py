@@ -1,0 +1,256 @@
+"""A draft model's catch-up and greedy drafts as one compiled graph (`speculative.draft_rollout`).
+
+Step by step, a draft model proposes k tokens with k forwards: a catch-up forward over the tokens it has not
+seen (after a verification: the target's bonus token, and the last draft when every draft was accepted), which
+drafts the first token, then k - 1 forwards of one token each. For a small draft on CPU such a forward is mostly
+dispatch, not arithmetic: the demo draft's 80-odd eager ops and the step's batch metadata take 0.31 ms with its
+weights hot in cache. `DraftRollout` runs the whole sequence as one graph compiled by inductor, each step's
+argmax feeding the next step's embedding:
+
+    context K/V, gathered once from the draft's paged cache ──────────────┐
+    forced tokens (catch-up), lag ──► [embed → L × (norm, qkv, RoPE, attention over context + the keys made
+                                       in this rollout, o-proj, norm, SwiGLU) → norm → lm_head → argmax]
+                                       × steps ──► argmax per step, K/V of every fed token
+
+`steps` = k_max + MAX_LAG - 1 single-token steps: the first `lag` feed the sequence's own unseen tokens, the
+rest feed drafts. Attention over the cached context and over the rollout's own keys is one softmax over both
+score sets (concatenated scores, never a concatenated K), so only the score row grows with the context. The
+K/V of the fed tokens come out of the graph and are stored in the draft cache with one copy per tensor, at the
+slots of the positions the sequence keeps (up to its last draft but one, as step by step); a sequence whose k
+is smaller than the rollout's has its extra steps dropped.
+
+Two graphs are compiled at start-up, before ready: one sequence, and 2 or more (the batch size symbolic);
+the context length is symbolic in both. Serving never compiles: a call that the graphs' guards refuse turns
+the rollout off with a warning, and drafting goes on step by step.
+
+Only greedy drafting is rolled out: sampled drafts need their distributions q for rejection sampling, and
+grammar masks and logit adjustments apply between steps. Those requests, sequences whose draft lags by more
+than MAX_LAG tokens (a first catch-up over the prompt) and sequences near the context limit stay step by
+step. A rollout is used only where it is expected to cost less than the step-by-step forwards it replaces
+(both costs fitted online, starting from the start-up measurement). Drafts are proposals only: a rollout that
+rounded differently from the step-by-step path could change acceptance, never the output, since verification
+against the target decides every token.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from serving.config import DraftRolloutMode
+from serving.engine.cpu_linear import PackedLinear
+from serving.engine.model import Transformer, TransformerBlock
+from serving.engine.rope import apply_rope
+from serving.engine.spec.policy import LinearCost
+from serving.engine.timing import forward_seconds
+
+log = logging.getLogger(__name__)
+
+MAX_LAG = 2  # unseen tokens a rollout feeds before drafting: the bonus token, and the last draft if all were accepted
+_CONTEXT = 256  # cached tokens in the start-up measurement
+_ROUNDS = 7  # interleaved timing rounds in `auto`
+_TOLERANCE = 0.95  # `auto` keeps the rollout if it takes under this share of the step-by-step forwards' time
+_WARM_CONTEXT = 48  # warm-up context (a size no model dimension shares, so the symbolic one is not specialised)
+_WARM_ROWS = 3  # warm-up batch of the graph for 2 or more sequences (likewise)
+
+# (forced [steps, G], lag [G], positions [G], k_ctx [L, G, C, Hkv, D], v_ctx, ctx_len [G]): rollout_graph's inputs
+Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class RolloutDecision:
+    enabled: bool
+    reason: str  # why (the measurement, or why the rollout does not apply)
+    steps: int = 0  # single-token steps per rollout
+    compile_s: float | None = None  # compiling both graphs at start-up
+    eager_ms: float | None = None  # the same steps as eager forwards through the engine's path, one sequence
+    rollout_ms: float | None = None  # one compiled rollout, one sequence
+
+
+def unsupported_reason(model: Transformer, num_draft_tokens: int) -> str | None:
+    """Why a compiled rollout cannot serve this draft, or None."""
+    if model.device.type != "cpu":
+        return f"device {model.device.type}: there the draft's steps are compiled and captured by model.compile"
+    if num_draft_tokens < 2:
+        return "num_draft_tokens is 1: a single draft is one forward either way"
+    if model.quantization != "none":
+        return f"the draft is quantized ({model.quantization})"
+    if any(isinstance(m, PackedLinear) for m in model.modules()):
+        return "the draft's weights are packed for oneDNN (model.cpu_weight_packing), which inductor cannot lower"
+    if not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")):
+        return "no C++ compiler on PATH (inductor needs one to compile on CPU)"
+    return None
+
+
+def rollout_graph(model: Transformer, forced: torch.Tensor, lag: torch.Tensor, positions: torch.Tensor,
+                  k_ctx: torch.Tensor, v_ctx: torch.Tensor, ctx_len: torch.Tensor, steps: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`steps` single-token decode steps of G sequences, greedy.
+
+    Step j feeds each sequence the token at position positions + j: its own token forced[j] while j < lag (the
+    tokens the draft has not seen yet, its catch-up), then the argmax of step j - 1 (its drafts).
+    forced [steps, G], lag [G] (>= 1), positions [G]: the first fed token's position (= ctx_len).
+    k_ctx, v_ctx [L, G, C, Hkv, D]: each sequence's cached context, padded to C; ctx_len [G] its true length.
+    Returns every step's argmax [steps, G] and the K/V of the fed tokens [steps, L, G, Hkv, D] each."""
+    args = model.args
+    g, c = forced.shape[1], k_ctx.shape[2]
+    n_q, n_kv, d, rep = args.n_heads, args.n_kv_heads, args.head_dim, args.n_rep
+    pad = torch.arange(c, device=forced.device)[None, :] >= ctx_len[:, None]  # [G, C]
+    pad = pad[:, None, None, :]  # [G, 1, 1, C]: over KV heads and their query heads
+    new_k: list[list[torch.Tensor]] = [[] for _ in model.layers]  # per layer, per step: [G, Hkv, D]
+    new_v: list[list[torch.Tensor]] = [[] for _ in model.layers]
+    out: list[torch.Tensor] = []
+    tokens = forced[0]
+    for j in range(steps):
+        if j > 0:
+            tokens = torch.where(lag > j, forced[j], out[-1])
+        pos = positions + j
+        x = model.tok_embeddings(tokens)  # [G, dim]
+        cos = model.rope_cos[pos].to(x.dtype).unsqueeze(1)  # [G, 1, D]
+        sin = model.rope_sin[pos].to(x.dtype).unsqueeze(1)
+        for i, block in enumerate(model.layers):
+            assert isinstance(block, TransformerBlock)
+            attn = block.attention
+            qkv = attn.wqkv(block.attention_norm(x)).view(g, n_q + 2 * n_kv, d)
+            qk = apply_rope(qkv[:, : n_q + n_kv], cos, sin)
+            q = qk[:, :n_q].reshape(g, n_kv, rep, d)
+            new_k[i].append(qk[:, n_q:])
+            new_v[i].append(qkv[:, n_q + n_kv :])
+            k_new = torch.stack(new_k[i], 1)  # [G, j + 1, Hkv, D]
+            v_new = torch.stack(new_v[i], 1)
+            s_ctx = torch.einsum("ghrd,gchd->ghrc", q, k_ctx[i]).masked_fill(pad, float("-inf"))
+            s_new = torch.einsum("ghrd,gjhd->ghrj", q, k_new)
+            p = torch.softmax(torch.cat([s_ctx, s_new], -1) * attn.scale, dim=-1)
+            o = torch.einsum("ghrc,gchd->ghrd", p[..., :c], v_ctx[i]) + torch.einsum(
+                "ghrj,gjhd->ghrd", p[..., c:], v_new)
+            h = x + attn.wo(o.reshape(g, n_q * d))
+            x = h + block.feed_forward(block.ffn_norm(h))
+        out.append(model.output(model.norm(x)).argmax(-1))
+    k_out = torch.stack([torch.stack(per_step, 0) for per_step in new_k], 1)  # [steps, L, G, Hkv, D]
+    v_out = torch.stack([torch.stack(per_step, 0) for per_step in new_v], 1)
+    return torch.stack(out), k_out, v_out
+
+
+class DraftRollout:
+    """`rollout_graph` for one draft model, compiled at start-up for one sequence and for 2 or more.
+
+    Also keeps the two cost models that decide, call by call, whether rolling out is cheaper than the
+    step-by-step forwards: seconds per rollout by rows, and seconds per eager forward by tokens."""
+
+    def __init__(self, model: Transformer, num_draft_tokens: int, max_rows: int) -> None:
+        self.model = model
+        self.steps = num_draft_tokens + MAX_LAG - 1
+        self.max_rows = max_rows
+        self.always = False  # `on`: roll out wherever it applies, without weighing the costs
+        self._graph = torch.compile(rollout_graph, fullgraph=True)
+        self.rollout_cost = LinearCost(intercept=1e-3, slope=3e-4)  # seconds per rollout, x = sequences
+        self.eager_cost = LinearCost(intercept=3e-4, slope=5e-5)  # seconds per eager draft forward, x = tokens
+
+    def inputs(self, rows: int, context: int) -> Inputs:
+        """Dummy inputs of the given batch and context size (token 1 everywhere, every row lagging by one)."""
+        a, dev = self.model.args, self.model.device
+        k = torch.zeros(a.n_layers, rows, context, a.n_kv_heads, a.head_dim, dtype=self.model.dtype, device=dev)
+        ctx = torch.full((rows,), context, dtype=torch.long, device=dev)
+        forced = torch.ones(self.steps, rows, dtype=torch.long, device=dev)
+        return forced, torch.ones(rows, dtype=torch.long, device=dev), ctx, k, k.clone(), ctx.clone()
+
+    @torch.inference_mode()
+    def compile(self) -> float:
+        """Compile both graphs (one sequence; 2 or more with the batch size symbolic), context symbolic; seconds."""
+        started = time.perf_counter()
+        for rows in (1, _WARM_ROWS) if self.max_rows > 1 else (1,):
+            inputs = self.inputs(rows, _WARM_CONTEXT)
+            forced, lag, positions, k_ctx, v_ctx, ctx_len = inputs
+            for t in (k_ctx, v_ctx):
+                torch._dynamo.mark_dynamic(t, 2)
+            if rows > 1:
+                for t, dim in ((forced, 1), (lag, 0), (positions, 0), (k_ctx, 1), (v_ctx, 1), (ctx_len, 0)):
+                    torch._dynamo.mark_dynamic(t, dim)
+            self._graph(self.model, *inputs, self.steps)
+        return time.perf_counter() - started
+
+    def __call__(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """rollout_graph's outputs from the compiled graphs; never compiles (raises instead)."""
+        with torch.compiler.set_stance("fail_on_recompile"):
+            return self._graph(self.model, *inputs, self.steps)
+
+    def eager(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return rollout_graph(self.model, *inputs, self.steps)
+
+    @torch.inference_mode()
+    def measure(self) -> tuple[float, float]:
+        """Seconds of one compiled rollout and of its steps as eager forwards (one sequence, _CONTEXT cached
+        tokens), medians of interleaved rounds; seeds the cost models (1 and _WARM_ROWS rows / tokens)."""
+        one = self.inputs(1, _CONTEXT)
+        rolled, stepped = [], []
+        self(one)
+        forward_seconds(self.model, _CONTEXT, 1, repeats=3)
+        for _ in range(_ROUNDS):
+            start = time.perf_counter()
+            self(one)[0].tolist()
+            rolled.append(time.perf_counter() - start)
+            stepped.append(forward_seconds(self.model, _CONTEXT, 1, repeats=3))
+        rollout_s, forward_s = statistics.median(rolled), statistics.median(stepped)
+        self.rollout_cost = LinearCost(intercept=rollout_s, slope=0.0)
+        self.eager_cost = LinearCost(intercept=forward_s, slope=0.0)
+        if self.max_rows > 1:
+            many = self.inputs(_WARM_ROWS, _CONTEXT)
+            self(many)
+            rollout_many = statistics.median(_seconds(lambda: self(many)[0].tolist()) for _ in range(3))
+            forward_many = forward_seconds(self.model, _CONTEXT, _WARM_ROWS, repeats=3)
+            for rows, seconds in ((1, rollout_s), (_WARM_ROWS, rollout_many)) * 2:
+                self.rollout_cost.observe(rows, seconds)
+            for tokens, seconds in ((1, forward_s), (_WARM_ROWS, forward_many)) * 2:
+                self.eager_cost.observe(tokens, seconds)
+        return rollout_s, forward_s * self.steps
+
+    def pays(self, rows: int, forwards: list[int]) -> bool:
+        """Whether one rollout of `rows` sequences is expected to cost less than the eager forwards it replaces
+        (their token counts: the catch-up forward, then one per further draft position)."""
+        return self.always or self.rollout_cost(rows) < sum(self.eager_cost(n) for n in forwards)
+
+
+def kept(new: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """[steps, L, G, Hkv, D] K or V of a rollout -> [L, n, Hkv, D] at flat (step * G + sequence) indices."""
+    steps, layers, g = new.shape[:3]
+    return new.transpose(0, 1).reshape(layers, steps * g, *new.shape[3:]).index_select(1, index)
+
+
+def _seconds(fn) -> float:  # type: ignore[no-untyped-def]
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def prepare(model: Transformer, mode: DraftRolloutMode, num_draft_tokens: int, max_rows: int
+            ) -> tuple[DraftRollout | None, RolloutDecision]:
+    """speculative.draft_rollout at start-up: compile (and in auto, measure) or say why not."""
+    if mode == "off":
+        return None, RolloutDecision(False, "speculative.draft_rollout is off")
+    reason = unsupported_reason(model, num_draft_tokens)
+    if reason is not None:
+        return None, RolloutDecision(False, reason)
+    rollout = DraftRollout(model, num_draft_tokens, max_rows)
+    rollout.always = mode == "on"
+    try:
+        compile_s = rollout.compile()
+    except Exception as exc:  # noqa: BLE001 - a compiler or inductor failure: say so, or fail start-up when asked
+        if mode == "on":
+            raise RuntimeError(f"speculative.draft_rollout is on but compiling the rollout failed: {exc}") from exc
+        log.warning("draft rollout not compiled (%s); the draft proposes step by step", exc)
+        return None, RolloutDecision(False, f"compiling failed: {type(exc).__name__}: {exc}"[:300])
+    decision = RolloutDecision(True, "speculative.draft_rollout is on", rollout.steps, compile_s)
+    if mode == "auto":
+        rollout_s, eager_s = rollout.measure()
+        decision.rollout_ms, decision.eager_ms = rollout_s * 1e3, eager_s * 1e3
+        decision.enabled = rollout_s <= _TOLERANCE * eager_s
+        decision.reason = (f"{rollout.steps} steps: compiled rollout {rollout_s * 1e3:.2f} ms, "
+                           f"eager forwards {eager_s * 1e3:.2f} ms")
+    log.info("draft rollout %s (%s; compiled in %.1f s)", "on" if decision.enabled else "off", decision.reason,
+             compile_s)
+    return (rollout if decision.enabled else None), decision
