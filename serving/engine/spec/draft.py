@@ -9,6 +9,10 @@ The draft cache caches prefixes the way the target's does (kv_cache.BlockManager
 sequence the draft has not seen starts on the draft's cached blocks of its longest cached prefix, so the
 first catch-up of a request that shares a system prompt with an earlier one computes only the rest. Only
 blocks full of the sequence's own tokens get a content address, never ones holding draft tokens.
+
+With `speculative.draft_rollout` (CPU), a step where a single greedy sequence drafts, its draft lagging by
+at most two tokens, runs the catch-up and all the drafts as one compiled graph instead
+(serving.engine.spec.rollout), where that is expected to cost less than the forwards it replaces.
 """
 
 from __future__ import annotations
@@ -100,9 +104,9 @@ class DraftModelProposer:
                                         max_decode_rows=max_rows, backend=backend)
         self.compiled.warm_up(self.cache, self.builder, measure)
 
-    def prepare_rollout(self, mode: str, num_draft_tokens: int, max_rows: int) -> RolloutDecision:
+    def prepare_rollout(self, mode: str, num_draft_tokens: int) -> RolloutDecision:
         """speculative.draft_rollout: compile (and in auto, measure) the rollout at start-up, before any request."""
-        self.rollout, decision = prepare(self.model, mode, num_draft_tokens, max_rows)  # type: ignore[arg-type]
+        self.rollout, decision = prepare(self.model, mode, num_draft_tokens)  # type: ignore[arg-type]
         return decision
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -185,23 +189,18 @@ class DraftModelProposer:
                 drafts.probs[req_id] = torch.stack(rows)
 
     def _rollout_rows(self, active: list[Request], ks: dict[str, int]) -> list[Request]:
-        """The sequences this step's rollout drafts for: greedy, plain, lagging by at most MAX_LAG tokens, with
-        room for every rollout step in the context; none unless a rollout is expected to cost less than their
-        step-by-step forwards."""
+        """The sequence this step's rollout drafts for, if any: the only one drafting, greedy and plain, its draft
+        lagging by at most MAX_LAG tokens, with room for every rollout step in the context, and a rollout
+        expected to cost less than its step-by-step forwards."""
         rollout = self.rollout
-        if rollout is None:
+        if rollout is None or len(active) != 1:
             return []
-        rows = []
-        for r in active:
-            lag = self.lag(r)
-            if (r.params.greedy and r.grammar is None and not r.params.adjusts_logits and lag <= MAX_LAG
-                    and r.num_tokens - lag >= 1 and r.num_tokens - lag + rollout.steps <= self.model.max_model_len):
-                rows.append(r)
-        if not rows:
+        (r,) = active
+        lag = self.lag(r)
+        if not (r.params.greedy and r.grammar is None and not r.params.adjusts_logits and lag <= MAX_LAG
+                and r.num_tokens - lag >= 1 and r.num_tokens - lag + rollout.steps <= self.model.max_model_len):
             return []
-        k_max = max(ks[r.request_id] for r in rows)
-        forwards = [sum(self.lag(r) for r in rows)] + [sum(ks[r.request_id] > j for r in rows) for j in range(1, k_max)]
-        return rows if rollout.pays(len(rows), forwards) else []
+        return active if rollout.pays([lag] + [1] * (ks[r.request_id] - 1)) else []
 
     def _roll_out(self, reqs: list[Request], ks: dict[str, int], drafts: Proposals) -> bool:
         """Catch-up and drafts of these sequences as one compiled rollout; False (nothing changed) if the graph

@@ -19,15 +19,19 @@ K/V of the fed tokens come out of the graph and are stored in the draft cache wi
 slots of the positions the sequence keeps (up to its last draft but one, as step by step); a sequence whose k
 is smaller than the rollout's has its extra steps dropped.
 
-Two graphs are compiled at start-up, before ready: one sequence, and 2 or more (the batch size symbolic);
-the context length is symbolic in both. Serving never compiles: a call that the graphs' guards refuse turns
-the rollout off with a warning, and drafting goes on step by step.
+The graph is compiled at start-up, before ready, for one sequence, with the context length symbolic. It
+serves the steps where a single sequence drafts: batch-1 latency, which speculation exists for. With several
+sequences drafting, one batched eager forward per position serves them all; a graph for 2 or more sequences
+was built and measured, and the cost rule below almost never chose it (docs/engine.md), so it is not
+compiled. Serving never compiles: a call that the graph's guards refuse turns the rollout off with a
+warning, and drafting goes on step by step.
 
 Only greedy drafting is rolled out: sampled drafts need their distributions q for rejection sampling, and
 grammar masks and logit adjustments apply between steps. Those requests, sequences whose draft lags by more
 than MAX_LAG tokens (a first catch-up over the prompt) and sequences near the context limit stay step by
 step. A rollout is used only where it is expected to cost less than the step-by-step forwards it replaces
-(both costs fitted online, starting from the start-up measurement). Drafts are proposals only: a rollout that
+(both costs fitted online, starting from the start-up measurement): a sequence that drafts k = 2 does not
+pay for 9 steps. Drafts are proposals only: a rollout that
 rounded differently from the step-by-step path could change acceptance, never the output, since verification
 against the target decides every token.
 """
@@ -56,7 +60,6 @@ _CONTEXT = 256  # cached tokens in the start-up measurement
 _ROUNDS = 7  # interleaved timing rounds in `auto`
 _TOLERANCE = 0.95  # `auto` keeps the rollout if it takes under this share of the step-by-step forwards' time
 _WARM_CONTEXT = 48  # warm-up context (a size no model dimension shares, so the symbolic one is not specialised)
-_WARM_ROWS = 3  # warm-up batch of the graph for 2 or more sequences (likewise)
 
 # (forced [steps, G], lag [G], positions [G], k_ctx [L, G, C, Hkv, D], v_ctx, ctx_len [G]): rollout_graph's inputs
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -137,18 +140,17 @@ def rollout_graph(model: Transformer, forced: torch.Tensor, lag: torch.Tensor, p
 
 
 class DraftRollout:
-    """`rollout_graph` for one draft model, compiled at start-up for one sequence and for 2 or more.
+    """`rollout_graph` for one draft model, compiled at start-up for one sequence.
 
     Also keeps the two cost models that decide, call by call, whether rolling out is cheaper than the
-    step-by-step forwards: seconds per rollout by rows, and seconds per eager forward by tokens."""
+    step-by-step forwards: seconds per rollout, and seconds per eager forward by tokens."""
 
-    def __init__(self, model: Transformer, num_draft_tokens: int, max_rows: int) -> None:
+    def __init__(self, model: Transformer, num_draft_tokens: int) -> None:
         self.model = model
         self.steps = num_draft_tokens + MAX_LAG - 1
-        self.max_rows = max_rows
         self.always = False  # `on`: roll out wherever it applies, without weighing the costs
         self._graph = torch.compile(rollout_graph, fullgraph=True)
-        self.rollout_cost = LinearCost(intercept=1e-3, slope=3e-4)  # seconds per rollout, x = sequences
+        self.rollout_cost = LinearCost(intercept=1e-3, slope=0.0)  # seconds per rollout (x: sequences, always 1)
         self.eager_cost = LinearCost(intercept=3e-4, slope=5e-5)  # seconds per eager draft forward, x = tokens
 
     def inputs(self, rows: int, context: int) -> Inputs:
@@ -161,17 +163,12 @@ class DraftRollout:
 
     @torch.inference_mode()
     def compile(self) -> float:
-        """Compile both graphs (one sequence; 2 or more with the batch size symbolic), context symbolic; seconds."""
+        """Compile the graph for one sequence, the context length symbolic; seconds taken."""
         started = time.perf_counter()
-        for rows in (1, _WARM_ROWS) if self.max_rows > 1 else (1,):
-            inputs = self.inputs(rows, _WARM_CONTEXT)
-            forced, lag, positions, k_ctx, v_ctx, ctx_len = inputs
-            for t in (k_ctx, v_ctx):
-                torch._dynamo.mark_dynamic(t, 2)
-            if rows > 1:
-                for t, dim in ((forced, 1), (lag, 0), (positions, 0), (k_ctx, 1), (v_ctx, 1), (ctx_len, 0)):
-                    torch._dynamo.mark_dynamic(t, dim)
-            self._graph(self.model, *inputs, self.steps)
+        inputs = self.inputs(1, _WARM_CONTEXT)
+        for t in inputs[3:5]:  # k_ctx, v_ctx: [L, 1, C, Hkv, D]
+            torch._dynamo.mark_dynamic(t, 2)
+        self._graph(self.model, *inputs, self.steps)
         return time.perf_counter() - started
 
     def __call__(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -185,7 +182,7 @@ class DraftRollout:
     @torch.inference_mode()
     def measure(self) -> tuple[float, float]:
         """Seconds of one compiled rollout and of its steps as eager forwards (one sequence, _CONTEXT cached
-        tokens), medians of interleaved rounds; seeds the cost models (1 and _WARM_ROWS rows / tokens)."""
+        tokens), medians of interleaved rounds; seeds the cost models."""
         one = self.inputs(1, _CONTEXT)
         rolled, stepped = [], []
         self(one)
@@ -197,22 +194,15 @@ class DraftRollout:
             stepped.append(forward_seconds(self.model, _CONTEXT, 1, repeats=3))
         rollout_s, forward_s = statistics.median(rolled), statistics.median(stepped)
         self.rollout_cost = LinearCost(intercept=rollout_s, slope=0.0)
-        self.eager_cost = LinearCost(intercept=forward_s, slope=0.0)
-        if self.max_rows > 1:
-            many = self.inputs(_WARM_ROWS, _CONTEXT)
-            self(many)
-            rollout_many = statistics.median(_seconds(lambda: self(many)[0].tolist()) for _ in range(3))
-            forward_many = forward_seconds(self.model, _CONTEXT, _WARM_ROWS, repeats=3)
-            for rows, seconds in ((1, rollout_s), (_WARM_ROWS, rollout_many)) * 2:
-                self.rollout_cost.observe(rows, seconds)
-            for tokens, seconds in ((1, forward_s), (_WARM_ROWS, forward_many)) * 2:
-                self.eager_cost.observe(tokens, seconds)
+        # a catch-up forward feeds 1-2 tokens: the slope from a 2-token forward
+        two = forward_seconds(self.model, _CONTEXT, 2, repeats=3)
+        self.eager_cost = LinearCost(intercept=forward_s, slope=max(two - forward_s, 0.0))
         return rollout_s, forward_s * self.steps
 
-    def pays(self, rows: int, forwards: list[int]) -> bool:
-        """Whether one rollout of `rows` sequences is expected to cost less than the eager forwards it replaces
-        (their token counts: the catch-up forward, then one per further draft position)."""
-        return self.always or self.rollout_cost(rows) < sum(self.eager_cost(n) for n in forwards)
+    def pays(self, forwards: list[int]) -> bool:
+        """Whether one rollout is expected to cost less than the eager forwards it replaces (their token
+        counts: the catch-up forward, then one per further draft position)."""
+        return self.always or self.rollout_cost(1) < sum(self.eager_cost(n) for n in forwards)
 
 
 def kept(new: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -221,13 +211,7 @@ def kept(new: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return new.transpose(0, 1).reshape(layers, steps * g, *new.shape[3:]).index_select(1, index)
 
 
-def _seconds(fn) -> float:  # type: ignore[no-untyped-def]
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def prepare(model: Transformer, mode: DraftRolloutMode, num_draft_tokens: int, max_rows: int
+def prepare(model: Transformer, mode: DraftRolloutMode, num_draft_tokens: int
             ) -> tuple[DraftRollout | None, RolloutDecision]:
     """speculative.draft_rollout at start-up: compile (and in auto, measure) or say why not."""
     if mode == "off":
@@ -235,7 +219,7 @@ def prepare(model: Transformer, mode: DraftRolloutMode, num_draft_tokens: int, m
     reason = unsupported_reason(model, num_draft_tokens)
     if reason is not None:
         return None, RolloutDecision(False, reason)
-    rollout = DraftRollout(model, num_draft_tokens, max_rows)
+    rollout = DraftRollout(model, num_draft_tokens)
     rollout.always = mode == "on"
     try:
         compile_s = rollout.compile()

@@ -102,7 +102,7 @@ def test_the_rollout_graph_is_the_model_step_by_step(kit: Any, llama_dir: Path) 
     """rollout_graph (eager) against the model's own paged forward one token at a time: two sequences of
     different context lengths padded into one batch, one lagging by one token and one by two."""
     prompts, lags = kit.random_prompts([7, 35], seed=3), [1, 2]
-    rollout = DraftRollout(kit.PagedRunner(llama_dir).model, num_draft_tokens=4, max_rows=2)
+    rollout = DraftRollout(kit.PagedRunner(llama_dir).model, num_draft_tokens=4)
     runner, expected, ctx = reference_steps(kit, llama_dir, prompts, lags, rollout.steps)
     rollout.model = runner.model
     tokens, k_new, v_new = rollout.eager(rollout_inputs(runner, prompts, lags, ctx, rollout.steps))
@@ -114,13 +114,13 @@ def test_the_rollout_graph_is_the_model_step_by_step(kit: Any, llama_dir: Path) 
 
 @needs_compiler
 @torch.inference_mode()
-def test_the_compiled_graphs_equal_eager_for_one_and_several_sequences_without_recompiling(
+def test_the_compiled_graph_equals_the_model_for_any_context_length_without_recompiling(
     kit: Any, llama_dir: Path
 ) -> None:
     model = kit.PagedRunner(llama_dir).model
-    rollout = DraftRollout(model, num_draft_tokens=3, max_rows=8)
+    rollout = DraftRollout(model, num_draft_tokens=3)
     rollout.compile()
-    for lengths, lags in (([9], [1]), ([40], [2]), ([5, 18, 33, 64], [1, 2, 2, 1]), ([17, 70], [2, 1])):
+    for lengths, lags in (([9], [1]), ([40], [2]), ([18], [2]), ([70], [1])):
         prompts = kit.random_prompts(lengths, seed=len(lengths))
         runner, expected, ctx = reference_steps(kit, llama_dir, prompts, lags, rollout.steps)
         inputs = rollout_inputs(runner, prompts, lags, ctx, rollout.steps)
@@ -138,18 +138,23 @@ def test_a_target_drafting_for_itself_through_the_rollout_has_every_draft_accept
     kit: Any, llama_dir: Path, same_draft_engine: LLMEngine
 ) -> None:
     """The draft is the target, so each draft is the target's own greedy token: any error in the rollout's
-    positions, masks or stored K/V shows up as a rejection. Full acceptance leaves every sequence lagging by two
-    tokens (the last draft and the bonus token), the rollout's catch-up path; several sequences at once use the
-    graph for two or more."""
+    positions, masks or stored K/V shows up as a rejection. Full acceptance leaves the sequence lagging by two
+    tokens (the last draft and the bonus token), the rollout's catch-up path. One request at a time (the
+    rollout serves a single drafting sequence), then several at once: they draft together step by step until
+    only the longest is left."""
     engine = same_draft_engine
     prompts = kit.random_prompts([3, 17, 33, 50, 8], seed=21)
-    params = [SamplingParams(temperature=0, max_tokens=25, ignore_eos=True) for _ in prompts]
+    params = [SamplingParams(temperature=0, max_tokens=10 + 6 * i, ignore_eos=True) for i in range(len(prompts))]
     expected = kit.run_to_completion(kit.make_engine(llama_dir), prompts, params)
+    alone = [kit.run_to_completion(engine, [p], [sp])[0] for p, sp in zip(prompts, params, strict=True)]
+    assert alone == expected
+    proposer = proposer_of(engine)
+    rolled = proposer.rollouts_total
+    assert rolled > 0 and proposer.rollout_seqs_total == rolled
     assert kit.run_to_completion(engine, prompts, params) == expected
-    proposer, spec = proposer_of(engine), engine.stats().spec
-    assert engine.draft_rollout is not None and engine.draft_rollout.enabled
-    assert proposer.rollout is not None and proposer.rollouts_total > 0
-    assert proposer.rollout_seqs_total > proposer.rollouts_total  # some rollouts drafted for several sequences
+    assert proposer.rollouts_total > rolled  # the longest request, alone at the end
+    spec = engine.stats().spec
+    assert engine.draft_rollout is not None and engine.draft_rollout.enabled and proposer.rollout is not None
     assert spec.num_accepted_tokens >= 0.97 * spec.num_draft_tokens > 0
     assert_all_free(engine)
 
@@ -162,8 +167,9 @@ def test_greedy_outputs_are_identical_with_a_small_draft_rolled_out_under_preemp
     that opt out, a system prompt shared through both prefix caches, and a KV budget small enough to preempt."""
     system = kit.random_prompts([40], seed=4)[0]
     prompts = [system + p for p in kit.random_prompts([3 + 4 * i for i in range(9)], seed=8)]
-    params = [SamplingParams(temperature=0.8 if i % 4 == 3 else 0.0, seed=i, max_tokens=28, ignore_eos=True,
-                             speculative=i % 5 != 4) for i in range(len(prompts))]
+    # different lengths, so that the longest (greedy) request drafts alone at the end
+    params = [SamplingParams(temperature=0.8 if i % 4 == 3 else 0.0, seed=i, max_tokens=12 + 3 * i,
+                             ignore_eos=True, speculative=i % 5 != 4) for i in range(len(prompts))]
     probe = kit.make_engine(llama_dir)
     block = probe.cache.k[:, 0].numel() * 2 * probe.cache.k.element_size()
     expected = kit.run_to_completion(kit.make_engine(llama_dir), prompts, params)
@@ -171,7 +177,7 @@ def test_greedy_outputs_are_identical_with_a_small_draft_rolled_out_under_preemp
     got = kit.run_to_completion(engine, prompts, params)
     assert [g for g, p in zip(got, params, strict=True) if p.greedy] == [
         e for e, p in zip(expected, params, strict=True) if p.greedy]
-    assert all(len(g) == 28 for g in got)
+    assert [len(g) for g in got] == [p.max_tokens for p in params]
     proposer = proposer_of(engine)
     assert proposer.rollouts_total > 0 and proposer.prefix_hit_tokens_total > 0
     assert engine.stats().preemptions_total > 0
@@ -182,15 +188,14 @@ def test_greedy_outputs_are_identical_with_a_small_draft_rolled_out_under_preemp
 def test_aborting_mid_rollout_run_frees_every_block(kit: Any, llama_dir: Path,
                                                     same_draft_engine: LLMEngine) -> None:
     engine = same_draft_engine
-    for i, prompt in enumerate(kit.random_prompts([20, 30, 9], seed=2)):
-        params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
-        engine.add_request(GenerationRequest(f"abort-{i}", prompt, params))
+    (prompt,) = kit.random_prompts([20], seed=2)
+    engine.add_request(GenerationRequest("abort", prompt, SamplingParams(temperature=0, max_tokens=100,
+                                                                          ignore_eos=True)))
     rolled = proposer_of(engine).rollouts_total
     for _ in range(5):
         engine.step()
-    assert proposer_of(engine).rollouts_total > rolled
-    for i in range(3):
-        engine.abort_request(f"abort-{i}")
+    assert proposer_of(engine).rollouts_total > rolled and proposer_of(engine).blocks.num_used > 0
+    engine.abort_request("abort")
     assert_all_free(engine)
 
 
@@ -206,10 +211,10 @@ def test_a_call_the_graphs_refuse_turns_the_rollout_off_and_drafting_goes_on_ste
             calls.append(inputs)
             raise RuntimeError("Detected recompile when torch.compile stance is 'fail_on_recompile'")
 
-    proposer.rollout = Refusing(proposer.model, 3, 32)
+    proposer.rollout = Refusing(proposer.model, 3)
     proposer.rollout.rollout_cost.intercept = proposer.rollout.rollout_cost.slope = 0.0  # always looks worth it
-    prompts = kit.random_prompts([6, 11], seed=9)
-    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True) for _ in prompts]
+    prompts = kit.random_prompts([6], seed=9)
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
     with caplog.at_level(logging.WARNING, logger="serving.engine.spec.draft"):
         got = kit.run_to_completion(engine, prompts, params)
     assert got == kit.run_to_completion(kit.make_engine(llama_dir), prompts, params)
@@ -222,13 +227,14 @@ def test_a_call_the_graphs_refuse_turns_the_rollout_off_and_drafting_goes_on_ste
 # ---- when it is used ------------------------------------------------------------------------------------
 
 def test_a_rollout_is_used_only_where_it_costs_less_than_the_forwards_it_replaces(kit: Any, llama_dir: Path) -> None:
-    rollout = DraftRollout(kit.PagedRunner(llama_dir).model, num_draft_tokens=8, max_rows=4)
-    rollout.rollout_cost.intercept, rollout.rollout_cost.slope = 1.0e-3, 0.2e-3
+    rollout = DraftRollout(kit.PagedRunner(llama_dir).model, num_draft_tokens=8)
+    rollout.rollout_cost.intercept = 1.2e-3
     rollout.eager_cost.intercept, rollout.eager_cost.slope = 0.3e-3, 0.02e-3
-    assert rollout.pays(1, [1] * 8)  # 1.2 ms against 8 x 0.32 ms
-    assert not rollout.pays(1, [1] * 3)  # against 3 x 0.32 ms
-    assert not rollout.pays(4, [4] + [4] * 3)  # 1.8 ms against 4 x 0.38 ms
-    assert rollout.pays(4, [4] + [4] * 7)
+    assert rollout.pays([1] * 8)  # 1.2 ms against 8 x 0.32 ms
+    assert rollout.pays([2] + [1] * 3)  # against 0.34 + 3 x 0.32 ms
+    assert not rollout.pays([1] * 3)  # against 3 x 0.32 ms
+    rollout.always = True  # speculative.draft_rollout: on
+    assert rollout.pays([1])
 
 
 def test_the_rollout_does_not_apply_where_it_cannot(kit: Any, llama_dir: Path,
@@ -247,9 +253,9 @@ def test_the_rollout_does_not_apply_where_it_cannot(kit: Any, llama_dir: Path,
     monkeypatch.undo()
     pack(model)
     assert "packed" in (unsupported_reason(model, 4) or "")
-    rollout, decision = prepare(model, "on", 4, 8)
+    rollout, decision = prepare(model, "on", 4)
     assert rollout is None and not decision.enabled and "packed" in decision.reason
-    rollout, decision = prepare(kit.PagedRunner(llama_dir).model, "off", 4, 8)
+    rollout, decision = prepare(kit.PagedRunner(llama_dir).model, "off", 4)
     assert rollout is None and not decision.enabled and decision.reason == "speculative.draft_rollout is off"
 
 
@@ -260,7 +266,7 @@ def test_auto_keeps_the_rollout_only_where_the_start_up_measurement_finds_it_fas
     monkeypatch.setattr(rollout_module, "unsupported_reason", lambda model, k: None)
     monkeypatch.setattr(DraftRollout, "compile", lambda self: 0.5)
     monkeypatch.setattr(DraftRollout, "measure", lambda self: (rollout_ms * 1e-3, 2.0e-3))
-    rollout, decision = prepare(kit.PagedRunner(llama_dir).model, "auto", 4, 8)
+    rollout, decision = prepare(kit.PagedRunner(llama_dir).model, "auto", 4)
     assert decision.enabled is kept and (rollout is not None) is kept
     assert decision.rollout_ms == pytest.approx(rollout_ms) and decision.eager_ms == pytest.approx(2.0)
     assert decision.compile_s == 0.5 and decision.steps == 5
@@ -276,8 +282,8 @@ def test_a_failed_compile_is_refused_by_name_when_on_and_reported_when_auto(
     monkeypatch.setattr(DraftRollout, "compile", broken)
     model = kit.PagedRunner(llama_dir).model
     with pytest.raises(RuntimeError, match="speculative.draft_rollout is on"):
-        prepare(model, "on", 4, 8)
-    rollout, decision = prepare(model, "auto", 4, 8)
+        prepare(model, "on", 4)
+    rollout, decision = prepare(model, "auto", 4)
     assert rollout is None and not decision.enabled and "cc1plus killed" in decision.reason
 
 
