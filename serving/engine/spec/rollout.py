@@ -172,7 +172,7 @@ class DraftRollout:
         return time.perf_counter() - started
 
     def __call__(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """rollout_graph's outputs from the compiled graphs; never compiles (raises instead)."""
+        """rollout_graph's outputs from the compiled graph; never compiles (raises instead)."""
         with torch.compiler.set_stance("fail_on_recompile"):
             return self._graph(self.model, *inputs, self.steps)
 
@@ -194,9 +194,9 @@ class DraftRollout:
             stepped.append(forward_seconds(self.model, _CONTEXT, 1, repeats=3))
         rollout_s, forward_s = statistics.median(rolled), statistics.median(stepped)
         self.rollout_cost = LinearCost(intercept=rollout_s, slope=0.0)
-        # a catch-up forward feeds 1-2 tokens: the slope from a 2-token forward
-        two = forward_seconds(self.model, _CONTEXT, 2, repeats=3)
-        self.eager_cost = LinearCost(intercept=forward_s, slope=max(two - forward_s, 0.0))
+        # a catch-up forward feeds 1-2 tokens: the slope from a 2-token forward, the line through the 1-token one
+        slope = min(max(forward_seconds(self.model, _CONTEXT, 2, repeats=3) - forward_s, 0.0), forward_s)
+        self.eager_cost = LinearCost(intercept=forward_s - slope, slope=slope)
         return rollout_s, forward_s * self.steps
 
     def pays(self, forwards: list[int]) -> bool:
