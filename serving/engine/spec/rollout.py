@@ -31,9 +31,10 @@ grammar masks and logit adjustments apply between steps. Those requests, sequenc
 than MAX_LAG tokens (a first catch-up over the prompt) and sequences near the context limit stay step by
 step. A rollout is used only where it is expected to cost less than the step-by-step forwards it replaces
 (both costs fitted online, starting from the start-up measurement): a sequence that drafts k = 2 does not
-pay for 9 steps. Drafts are proposals only: a rollout that
-rounded differently from the step-by-step path could change acceptance, never the output, since verification
-against the target decides every token.
+pay for 9 steps. Drafts are proposals only: a rollout that rounded differently from the step-by-step path
+could change acceptance, never the output, since verification against the target decides every token.
+
+The graph function takes a batch of G sequences (the reference test runs two, eager); only G = 1 is compiled.
 """
 
 from __future__ import annotations
