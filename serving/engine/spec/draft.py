@@ -188,19 +188,30 @@ class DraftModelProposer:
             if rows:
                 drafts.probs[req_id] = torch.stack(rows)
 
+    def rollout_seconds(self, req: Request) -> float | None:
+        """What drafting for this sequence alone would cost through the rollout, any k (None: it would not be
+        rolled out). The policy weighs k against this fixed cost."""
+        if self.rollout is None or not self._rolls_out(req):
+            return None
+        return self.rollout.rollout_cost(1)
+
+    def _rolls_out(self, r: Request) -> bool:
+        """Whether a rollout can draft for this sequence: greedy and plain, its draft lagging by at most MAX_LAG
+        tokens, with room for every rollout step in the context."""
+        assert self.rollout is not None
+        lag = self.lag(r)
+        return (r.params.greedy and r.grammar is None and not r.params.adjusts_logits and lag <= MAX_LAG
+                and r.num_tokens - lag >= 1 and r.num_tokens - lag + self.rollout.steps <= self.model.max_model_len)
+
     def _rollout_rows(self, active: list[Request], ks: dict[str, int]) -> list[Request]:
         """The sequence this step's rollout drafts for, if any: the only one drafting, greedy and plain, its draft
         lagging by at most MAX_LAG tokens, with room for every rollout step in the context, and a rollout
         expected to cost less than its step-by-step forwards."""
         rollout = self.rollout
-        if rollout is None or len(active) != 1:
+        if rollout is None or len(active) != 1 or not self._rolls_out(active[0]):
             return []
         (r,) = active
-        lag = self.lag(r)
-        if not (r.params.greedy and r.grammar is None and not r.params.adjusts_logits and lag <= MAX_LAG
-                and r.num_tokens - lag >= 1 and r.num_tokens - lag + rollout.steps <= self.model.max_model_len):
-            return []
-        return active if rollout.pays([lag] + [1] * (ks[r.request_id] - 1)) else []
+        return active if rollout.pays([self.lag(r)] + [1] * (ks[r.request_id] - 1)) else []
 
     def _roll_out(self, reqs: list[Request], ks: dict[str, int], drafts: Proposals) -> bool:
         """Catch-up and drafts of these sequences as one compiled rollout; False (nothing changed) if the graph

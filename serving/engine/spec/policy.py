@@ -112,6 +112,7 @@ class SpeculationPolicy:
         other_tokens: int,
         num_decodes: int,
         catch_up: dict[str, float] | None = None,
+        flat_draft_seconds: float | None = None,
     ) -> dict[str, int]:
         """k per candidate request (at most candidates[req_id]); 0 means it does not speculate this step.
 
@@ -124,6 +125,11 @@ class SpeculationPolicy:
         (0 included) chosen to maximise expected tokens / expected seconds; position j + 1 is considered
         only for requests that got j. A draft position costs one verify token in the target and, for a
         draft model, a share of one more draft forward.
+
+        flat_draft_seconds: a single candidate's drafts, any k of them, cost this much (the draft's compiled
+        rollout, serving.engine.spec.rollout): its k is then also weighed as a whole, every position costing
+        only its verify token after that one fixed cost, and the better of the two choices is taken. Position
+        by position, the first positions would have to pay the fixed cost alone and none would look worth it.
         """
         if not candidates:
             return {}
@@ -159,7 +165,23 @@ class SpeculationPolicy:
             if self.uses_draft_model:
                 fed = sum((catch_up or {}).get(r, 1.0) for r in chosen) if position == 1 else float(best_m)
                 draft_seconds += self.draft_cost(fed)
+        if flat_draft_seconds is not None and len(candidates) == 1:
+            ks = self._best_whole_k(ks, candidates, alphas, other_tokens + num_decodes, float(num_decodes),
+                                    tokens / (self.target_cost(batch) + draft_seconds), flat_draft_seconds)
         return self._explore(ks, catch_up or {}, order)
+
+    def _best_whole_k(self, ks: dict[str, int], candidates: dict[str, int], alphas: dict[str, float], batch: int,
+                      tokens: float, rate: float, flat_seconds: float) -> dict[str, int]:
+        """The single candidate's k that maximises expected tokens / seconds when its drafts cost flat_seconds
+        together; kept only if it beats `rate`, the position-by-position choice's."""
+        ((r, cap),) = candidates.items()
+        best_k, best_rate, gain = ks[r], rate, 0.0
+        for k in range(1, min(self.max_k, cap) + 1):
+            gain += alphas[r] ** k
+            k_rate = (tokens + gain) / (self.target_cost(batch + k) + flat_seconds)
+            if k_rate > best_rate:
+                best_k, best_rate = k, k_rate
+        return {r: best_k}
 
     def _explore(self, ks: dict[str, int], catch_up: dict[str, float], order: list[str]) -> dict[str, int]:
         """Estimates only move when a request speculates; a cheap probe now and then keeps k = 0 from being

@@ -71,3 +71,23 @@ def test_a_request_left_at_zero_is_probed_now_and_then() -> None:
     candidates = {f"r{i}": 4 for i in range(64)}
     chosen = [policy.choose(candidates, 0, 64)["r0"] for _ in range(policy.explore_after)]
     assert chosen[:-1] == [0] * (policy.explore_after - 1) and chosen[-1] == 1
+
+
+def test_a_flat_draft_cost_is_weighed_for_the_whole_k_of_a_lone_request() -> None:
+    """A compiled rollout drafts any k for one fixed cost. Position by position, the first position pays the
+    draft's forward alone; weighed as a whole, every position after it costs only its verify token."""
+    policy = SpeculationPolicy(max_k=8, uses_draft_model=True)
+    for tokens in (1, 2, 5, 9):
+        policy.observe_target_step(tokens, 0.0025 + 0.00006 * tokens)  # a c=1 CPU step: 2.5 ms + 0.06 ms/token
+    for tokens in (1, 2, 4):
+        policy.observe_draft_forward(tokens, 0.0004 + 0.00002 * tokens)  # an eager draft forward: ~0.4 ms
+    for _ in range(20):
+        policy.observe_verification("r", 5, 8)  # acceptance ~0.7 per position
+    stepwise = policy.choose({"r": 8}, other_tokens=0, num_decodes=1)["r"]
+    whole = policy.choose({"r": 8}, other_tokens=0, num_decodes=1, flat_draft_seconds=0.0015)["r"]
+    assert whole == 8 > stepwise
+    # a rollout dearer than the whole gain: the position-by-position choice stands
+    assert policy.choose({"r": 8}, other_tokens=0, num_decodes=1, flat_draft_seconds=0.5)["r"] == stepwise
+    # several candidates: a rollout serves one sequence only, so the flat cost is not used
+    two = {"r": 8, "s": 8}
+    assert policy.choose(two, 0, 2, flat_draft_seconds=0.0015) == policy.choose(two, 0, 2)

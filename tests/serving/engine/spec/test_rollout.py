@@ -299,3 +299,33 @@ def test_the_config_key_reaches_the_engine_and_bad_values_are_refused() -> None:
     assert ServerConfig.model_validate({"model": {"path": "/m"}}).speculative.draft_rollout == "auto"
     with pytest.raises(ValidationError, match="draft_rollout"):
         ServerConfig.model_validate({"model": {"path": "/m"}, "speculative": {**spec, "draft_rollout": "yes"}})
+
+
+@needs_compiler
+def test_the_adaptive_policy_is_told_a_lone_sequences_drafts_cost_one_rollout(
+    kit: Any, llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = SpeculativeConfig(enabled=True, method="draft", draft_model=str(llama_dir), num_draft_tokens=3,
+                             adaptive=True, draft_rollout="on")
+    engine = kit.make_engine(llama_dir, speculative=spec)
+    assert engine.speculator is not None
+    policy = engine.speculator.policy
+    flats: list[float | None] = []
+    choose = policy.choose
+
+    def recording(*args: Any, **kwargs: Any) -> dict[str, int]:
+        flats.append(args[4] if len(args) > 4 else kwargs.get("flat_draft_seconds"))
+        return choose(*args, **kwargs)
+
+    monkeypatch.setattr(policy, "choose", recording)
+    prompts = kit.random_prompts([12], seed=13)
+    greedy = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
+    assert kit.run_to_completion(engine, prompts, greedy) == kit.run_to_completion(kit.make_engine(llama_dir),
+                                                                                   prompts, greedy)
+    proposer = proposer_of(engine)
+    assert proposer.rollout is not None and proposer.rollouts_total > 0
+    assert any(f is not None and f > 0 for f in flats)  # the rollout's fitted cost, as it stood at each step
+    flats.clear()
+    kit.run_to_completion(engine, prompts, [SamplingParams(temperature=0.8, seed=1, max_tokens=10)])
+    assert flats and all(f is None for f in flats)  # sampled: drafted step by step, priced per forward
+    assert_all_free(engine)
