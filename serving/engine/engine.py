@@ -130,8 +130,9 @@ class LLMEngine:
                 tp_group.shutdown()
             raise
         engine.tp_group = tp_group
+        # CPU with a draft: the rollout first (compiled and measured on the plain weights it needs), then packing
+        engine.prepare_draft_rollout()  # serving.engine.spec.rollout
         engine.pack_weights()  # CPU: measured per model at start-up, before ready (serving.engine.cpu_linear)
-        engine.prepare_draft_rollout()  # CPU with a draft: compiled and measured now (serving.engine.spec.rollout)
         if compiles(config.compile, device) and tp_group is None:
             engine.compile_steps()  # part of start-up: the server reports ready only after it
         return engine
@@ -164,7 +165,12 @@ class LLMEngine:
         self.weight_packing = [choose(self.model, "target", config.cpu_weight_packing, reason_not)]
         proposer = self.speculator.proposer if self.speculator is not None else None
         if isinstance(proposer, DraftModelProposer):
-            self.weight_packing.append(choose(proposer.model, "draft", config.cpu_weight_packing, reason_not))
+            if proposer.rollout is not None:  # its compiled graph needs plain weights, and pays far more
+                self.weight_packing.append(PackingDecision(
+                    "draft", False, "the draft drafts through its compiled rollout (speculative.draft_rollout), "
+                    "which needs plain weights"))
+            else:
+                self.weight_packing.append(choose(proposer.model, "draft", config.cpu_weight_packing, reason_not))
 
     def prepare_draft_rollout(self) -> None:
         """speculative.draft_rollout: the draft's catch-up and drafts as one compiled graph, or why not."""

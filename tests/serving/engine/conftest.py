@@ -68,6 +68,8 @@ def make_engine(model_dir: Path, **overrides: object) -> LLMEngine:
     spec = overrides.get("speculative")
     if isinstance(spec, SpeculativeConfig) and "draft_rollout" not in spec.model_fields_set:
         overrides["speculative"] = spec.model_copy(update={"draft_rollout": "off"})
+    elif isinstance(spec, dict) and "draft_rollout" not in spec:
+        overrides["speculative"] = {**spec, "draft_rollout": "off"}
     return LLMEngine.from_config(EngineConfig(model=str(model_dir), **{**settings, **overrides}))
 
 

@@ -329,3 +329,22 @@ def test_the_adaptive_policy_is_told_a_lone_sequences_drafts_cost_one_rollout(
     kit.run_to_completion(engine, prompts, [SamplingParams(temperature=0.8, seed=1, max_tokens=10)])
     assert flats and all(f is None for f in flats)  # sampled: drafted step by step, priced per forward
     assert_all_free(engine)
+
+
+@needs_compiler
+def test_a_rolled_out_draft_keeps_plain_weights_and_the_target_is_still_packed(kit: Any, llama_dir: Path) -> None:
+    """The rollout is prepared before packing: its graph needs plain weights and pays far more than packing a
+    small draft, whose packed and plain steps often measure alike (a coin flip under `auto`)."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    spec = SpeculativeConfig(enabled=True, method="draft", draft_model=str(llama_dir), num_draft_tokens=3,
+                             draft_rollout="on")
+    engine = kit.make_engine(llama_dir, speculative=spec, cpu_weight_packing="on")
+    target, draft = engine.weight_packing
+    assert target.packed and not draft.packed and "rollout" in draft.reason
+    assert proposer_of(engine).rollout is not None
+    prompts = kit.random_prompts([10], seed=17)
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+    assert kit.run_to_completion(engine, prompts, params) == kit.run_to_completion(
+        kit.make_engine(llama_dir, cpu_weight_packing="on"), prompts, params)
+    assert proposer_of(engine).rollouts_total > 0
