@@ -320,7 +320,7 @@ def _print_spec_tables(report: Any) -> None:
     if report.draft_rollout is not None:
         state = "on" if report.draft_rollout["enabled"] else "off"
         console.print(f"draft rollout {state} ({report.draft_rollout['reason']}): {report.draft_rollouts} rollouts "
-                      f"for {report.draft_rollout_seqs} sequence-steps over the whole bench")
+                      "over the whole bench")
     k_rule = "adaptive k" if report.adaptive else f"k = {report.num_draft_tokens} always"
     tp = Table(title=f"throughput, spec on / spec off ({k_rule}, best of interleaved repeats)")
     for col in ("c", "off tok/s", "draft tok/s", "n-gram tok/s", "draft on/off", "n-gram on/off", "draft k chosen"):

@@ -79,8 +79,7 @@ class SpecBenchReport:
     c1_rounds: int = 1  # passes over the prompts at c=1, each prompt on every system back to back
     weight_packing: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # engine -> PackingDecision per model
     draft_rollout: dict[str, Any] | None = None  # the draft engine's RolloutDecision (speculative.draft_rollout)
-    draft_rollouts: int = 0  # compiled rollouts the draft engine ran over the whole bench, and the sequences in them
-    draft_rollout_seqs: int = 0
+    draft_rollouts: int = 0  # compiled rollouts the draft engine ran over the whole bench
     counters: dict[str, dict[str, Any]] = field(default_factory=dict)  # proposer -> its engine's SpecStats, whole run
     # where a c=1 step goes, spec off and draft (one more sequential pass each, profiled: StepBreakdown fields)
     c1_step_split: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -353,7 +352,6 @@ def run_spec_benchmark(
     proposer = on_draft.speculator.proposer if on_draft.speculator else None
     draft_model = getattr(proposer, "model", None)
     report.draft_rollouts = getattr(proposer, "rollouts_total", 0)
-    report.draft_rollout_seqs = getattr(proposer, "rollout_seqs_total", 0)
     report.ceiling = measure_ceiling(off.model, draft_model, k)
     if draft_model is not None:
         report.draft_alpha = measure_alpha(draft_model, prompts, outputs["spec_off"][: len(prompts)], k)

@@ -34,7 +34,7 @@ from serving.engine.model import ModelArgs, Transformer
 from serving.engine.request import Request
 from serving.engine.sampling import SamplingRows, draw_uniforms, logits_to_probs, sample_from_probs
 from serving.engine.spec.proposer import Proposals
-from serving.engine.spec.rollout import MAX_LAG, DraftRollout, RolloutDecision, kept, prepare
+from serving.engine.spec.rollout import MAX_LAG, DraftRollout, RolloutDecision, prepare
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,7 @@ class DraftModelProposer:
         self.builder = ForwardBatchBuilder(block_size, args.n_rep, self.device, self.dtype)
         self.compiled: CompiledForward | None = None  # compile_steps(): the draft's small steps as graphs
         self.rollout: DraftRollout | None = None  # prepare_rollout(): catch-up and drafts as one graph
-        self.rollouts_total = 0  # compiled rollouts run, and the sequences they drafted for
-        self.rollout_seqs_total = 0
+        self.rollouts_total = 0  # compiled rollouts run
         self.computed: dict[str, int] = {}  # req_id -> tokens of the sequence in the draft cache
         self.catch_up_tokens_total = 0  # sequence tokens the draft computed (prompts, accepted and emitted tokens)
         self.prefix_hit_tokens_total = 0  # sequence tokens found in the draft's prefix cache instead
@@ -147,12 +146,9 @@ class DraftModelProposer:
             # positions N .. N + k - 2 get draft K/V (the last draft is never fed back)
             if k > 0 and self.blocks.allocate(req.request_id, req.num_tokens + k - 1):
                 active.append(req)
-        rolled = self._rollout_rows(active, ks)
-        if rolled and not self._roll_out(rolled, ks, drafts):
-            rolled = []
-        stepped = [r for r in active if r not in rolled]
-        if stepped:
-            self._step_by_step(stepped, ks, drafts)
+        if active and not (self._rolls_out_now(active, ks) and self._roll_out(active[0], ks[active[0].request_id],
+                                                                              drafts)):
+            self._step_by_step(active, ks, drafts)
         return drafts
 
     def _step_by_step(self, active: list[Request], ks: dict[str, int], drafts: Proposals) -> None:
@@ -188,9 +184,9 @@ class DraftModelProposer:
             if rows:
                 drafts.probs[req_id] = torch.stack(rows)
 
-    def rollout_seconds(self, req: Request) -> float | None:
-        """What drafting for this sequence alone would cost through the rollout, any k (None: it would not be
-        rolled out). The policy weighs k against this fixed cost."""
+    def fixed_draft_seconds(self, req: Request) -> float | None:
+        """What drafting for this sequence alone costs through the rollout, any k (None: it would not be rolled
+        out). The policy weighs k against this fixed cost."""
         if self.rollout is None or not self._rolls_out(req):
             return None
         return self.rollout.rollout_cost(1)
@@ -203,63 +199,47 @@ class DraftModelProposer:
         return (r.params.greedy and r.grammar is None and not r.params.adjusts_logits and lag <= MAX_LAG
                 and r.num_tokens - lag >= 1 and r.num_tokens - lag + self.rollout.steps <= self.model.max_model_len)
 
-    def _rollout_rows(self, active: list[Request], ks: dict[str, int]) -> list[Request]:
-        """The sequence this step's rollout drafts for, if any: the only one drafting, greedy and plain, its draft
-        lagging by at most MAX_LAG tokens, with room for every rollout step in the context, and a rollout
-        expected to cost less than its step-by-step forwards."""
-        rollout = self.rollout
-        if rollout is None or len(active) != 1 or not self._rolls_out(active[0]):
-            return []
+    def _rolls_out_now(self, active: list[Request], ks: dict[str, int]) -> bool:
+        """Whether this step's drafting is one rollout: a single sequence drafts, the rollout can serve it, and
+        is expected to cost less than its step-by-step forwards."""
+        if self.rollout is None or len(active) != 1 or not self._rolls_out(active[0]):
+            return False
         (r,) = active
-        return active if rollout.pays([self.lag(r)] + [1] * (ks[r.request_id] - 1)) else []
+        return self.rollout.pays([self.lag(r)] + [1] * (ks[r.request_id] - 1))
 
-    def _roll_out(self, reqs: list[Request], ks: dict[str, int], drafts: Proposals) -> bool:
-        """Catch-up and drafts of these sequences as one compiled rollout; False (nothing changed) if the graph
+    def _roll_out(self, r: Request, k: int, drafts: Proposals) -> bool:
+        """Catch-up and k drafts of one sequence as one compiled rollout; False (nothing changed) if the graph
         refused the call, after which the rollout is off for good."""
         assert self.rollout is not None
         started = time.perf_counter()
-        bs, g, steps, dev = self.block_size, len(reqs), self.rollout.steps, self.device
-        lags = [self.lag(r) for r in reqs]
-        ctx = [r.num_tokens - lag for r, lag in zip(reqs, lags, strict=True)]  # tokens in the draft cache
-        tables = [self.blocks.block_table(r.request_id) for r in reqs]
-        width = -(-max(ctx) // bs)
-        flat = torch.tensor([b for t in tables for b in (t[:width] + [0] * (width - len(t[:width])))], device=dev)
-        shape = (self.cache.k.shape[0], g, width * bs, self.cache.n_kv_heads, self.cache.head_dim)
-        forced = [[0] * g for _ in range(steps)]
-        for i, r in enumerate(reqs):
-            for j in range(lags[i]):
-                forced[j][i] = r.all_token_ids[ctx[i] + j]
-        try:  # positions and ctx_len are equal but must be distinct tensors (the graphs' guards say so)
+        bs, dev = self.block_size, self.device
+        lag = self.lag(r)
+        ctx = r.num_tokens - lag  # tokens of the sequence in the draft cache
+        table = self.blocks.block_table(r.request_id)
+        blocks = torch.tensor(table[: -(-ctx // bs)], device=dev)
+        shape = (self.cache.k.shape[0], 1, len(blocks) * bs, self.cache.n_kv_heads, self.cache.head_dim)
+        forced = r.all_token_ids[ctx:] + [0] * (self.rollout.steps - lag)  # its unseen tokens, then drafts
+        try:  # positions and ctx_len are equal but must be distinct tensors (the graph's guards say so)
             out, k_new, v_new = self.rollout((
-                torch.tensor(forced, device=dev), torch.tensor(lags, device=dev), torch.tensor(ctx, device=dev),
-                self.cache.k.index_select(1, flat).view(shape), self.cache.v.index_select(1, flat).view(shape),
-                torch.tensor(ctx, device=dev)))
+                torch.tensor(forced, device=dev)[:, None], torch.tensor([lag], device=dev),
+                torch.tensor([ctx], device=dev), self.cache.k.index_select(1, blocks).view(shape),
+                self.cache.v.index_select(1, blocks).view(shape), torch.tensor([ctx], device=dev)))
         except Exception as exc:  # a guard the warm-up did not foresee: draft step by step from now on
             log.warning("draft rollout refused a call (%s); the draft proposes step by step from now on", exc)
             self.rollout = None
             return False
-        argmax = out.t().tolist()  # [G, steps]
-        rows, slots = [], []
-        for i, r in enumerate(reqs):
-            k = ks[r.request_id]
-            drafts.tokens[r.request_id] = argmax[i][lags[i] - 1 : lags[i] - 1 + k]
-            for j in range(lags[i] + k - 1):  # fed tokens kept: up to the last draft but one, as step by step
-                pos = ctx[i] + j
-                rows.append(j * g + i)
-                slots.append(tables[i][pos // bs] * bs + pos % bs)
-            self.computed[r.request_id] = r.num_tokens + k - 1
-            self.catch_up_tokens_total += lags[i]
-        index = torch.tensor(rows, device=dev)
-        self.cache.write_layers(torch.tensor(slots, device=dev), kept(k_new, index), kept(v_new, index))
-        for r in reqs:  # blocks now full of the sequence's own tokens become reusable by content
-            self.blocks.commit(r.request_id, r.all_token_ids, r.num_tokens)
-        seconds = time.perf_counter() - started
-        self.rollout.rollout_cost.observe(g, seconds)
+        drafts.tokens[r.request_id] = out[lag - 1 : lag - 1 + k, 0].tolist()
+        fed = lag + k - 1  # fed tokens kept: up to the last draft but one, as step by step
+        slots = [table[p // bs] * bs + p % bs for p in range(ctx, ctx + fed)]
+        self.cache.write_layers(torch.tensor(slots, device=dev), k_new[:fed, :, 0].transpose(0, 1),
+                                v_new[:fed, :, 0].transpose(0, 1))
+        self.computed[r.request_id] = r.num_tokens + k - 1
+        self.catch_up_tokens_total += lag
+        # blocks now full of the sequence's own tokens become reusable by content
+        self.blocks.commit(r.request_id, r.all_token_ids, r.num_tokens)
+        # the policy is given this cost as a whole (fixed_draft_seconds), not as forwards of its draft_cost fit
+        self.rollout.rollout_cost.observe(1, time.perf_counter() - started)
         self.rollouts_total += 1
-        self.rollout_seqs_total += g
-        # the policy charges each draft position a forward: here each costs a share of one rollout
-        for _ in range(max(ks[r.request_id] for r in reqs)):
-            drafts.forward_seconds.append((g, seconds / steps))
         return True
 
     def _draft_step(self, reqs: list[Request], seqs: list[SequenceInput], drafts: Proposals,

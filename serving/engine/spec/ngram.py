@@ -48,5 +48,8 @@ class NgramProposer:
     def rollback(self, req_id: str, num_valid_tokens: int) -> None:
         pass  # nothing cached past the sequence's tokens
 
+    def fixed_draft_seconds(self, req: Request) -> float | None:
+        return None  # drafting is free: there is no draft forward to price
+
     def release(self, req_id: str) -> None:
         pass

@@ -50,3 +50,8 @@ class Proposer(Protocol):
     def release(self, req_id: str) -> None:
         """The request left the running set: drop whatever the proposer holds for it."""
         ...
+
+    def fixed_draft_seconds(self, req: Request) -> float | None:
+        """Seconds that drafting any k tokens for this sequence alone costs, where that cost does not grow with k
+        (a draft model's compiled rollout); None where each draft position costs its own forward."""
+        ...

@@ -206,12 +206,6 @@ class DraftRollout:
         return self.always or self.rollout_cost(1) < sum(self.eager_cost(n) for n in forwards)
 
 
-def kept(new: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """[steps, L, G, Hkv, D] K or V of a rollout -> [L, n, Hkv, D] at flat (step * G + sequence) indices."""
-    steps, layers, g = new.shape[:3]
-    return new.transpose(0, 1).reshape(layers, steps * g, *new.shape[3:]).index_select(1, index)
-
-
 def prepare(model: Transformer, mode: DraftRolloutMode, num_draft_tokens: int
             ) -> tuple[DraftRollout | None, RolloutDecision]:
     """speculative.draft_rollout at start-up: compile (and in auto, measure) or say why not."""

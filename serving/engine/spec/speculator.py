@@ -67,11 +67,8 @@ class Speculator:
         catch_up = {rid: amortized_catch_up(self.proposer.lag(by_id[rid]), by_id[rid]) for rid in candidates}
 
         if self.proposer.uses_model:  # each draft costs a forward: choose k first, then draft exactly that
-            # a draft that can propose a lone sequence's k tokens for one fixed cost (its compiled rollout)
-            flat = None
-            rollout_seconds = getattr(self.proposer, "rollout_seconds", None)
-            if rollout_seconds is not None and len(candidates) == 1:
-                flat = rollout_seconds(by_id[next(iter(candidates))])
+            # a lone sequence's drafts may cost one fixed amount for any k (a draft model's compiled rollout)
+            flat = self.proposer.fixed_draft_seconds(by_id[next(iter(candidates))]) if len(candidates) == 1 else None
             ks = self.policy.choose(candidates, other_tokens, len(decoding), catch_up, flat)
             proposed = self.proposer.propose([by_id[rid] for rid, k in ks.items() if k > 0], ks)
         else:  # drafting is free: draft up to each cap, then keep what is worth verifying

@@ -150,7 +150,7 @@ def test_a_target_drafting_for_itself_through_the_rollout_has_every_draft_accept
     assert alone == expected
     proposer = proposer_of(engine)
     rolled = proposer.rollouts_total
-    assert rolled > 0 and proposer.rollout_seqs_total == rolled
+    assert rolled > 0
     assert kit.run_to_completion(engine, prompts, params) == expected
     assert proposer.rollouts_total > rolled  # the longest request, alone at the end
     spec = engine.stats().spec
