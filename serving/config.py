@@ -100,6 +100,8 @@ CompileMode = Literal["auto", "on", "off"]
 WeightPacking = Literal["auto", "on", "off"]
 # auto: on CPU, a draft model's greedy steps run as one compiled graph where that measures faster at start-up
 DraftRolloutMode = Literal["auto", "on", "off"]
+# auto: on CPU, decode attention through a C++ kernel reading the paged cache in place where that measures faster
+DecodeAttentionMode = Literal["auto", "on", "off"]
 
 
 class ModelSection(StrictModel):
@@ -134,6 +136,13 @@ class ModelSection(StrictModel):
         "faster matmuls for verify and batched steps). auto: per model (target, draft), kept where a one-token "
         "step measured at start-up is not slower; on: always; off: plain nn.Linear. CPU, fp32/bf16, unquantized, "
         "without tensor parallelism or model.compile on.",
+    )
+    cpu_decode_attention: DecodeAttentionMode = Field(
+        "auto", description="CPU: decode steps attend through a small C++ kernel that reads the paged KV cache in "
+        "place instead of gathering it into a copy for SDPA (built at start-up with the host's C++ compiler, "
+        "cached). auto: per model (target, draft), kept where decode groups measured at start-up take <= 0.95 of "
+        "the gather path's time; on: wherever it applies (refused by name where it cannot: no compiler, not CPU, "
+        "not fp32, tensor parallel); off: gather + SDPA.",
     )
 
 

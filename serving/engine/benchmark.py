@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from serving.config import CompileMode, WeightPacking
+from serving.config import CompileMode, DecodeAttentionMode, WeightPacking
 from serving.engine.compile import BucketDecision
 from serving.engine.config import DType, EngineConfig
 from serving.engine.engine import LLMEngine
@@ -55,6 +55,7 @@ class EngineBenchReport:
     profile: str = ""
     compiled: list[BucketDecision] = field(default_factory=list)  # per bucket: eager vs compiled at warm-up
     weight_packing: list[dict[str, Any]] = field(default_factory=list)  # the engine's PackingDecision per model
+    decode_attention: list[dict[str, Any]] = field(default_factory=list)  # its AttentionDecision per model
 
 
     def to_dict(self) -> dict[str, Any]:
@@ -155,19 +156,22 @@ def run_engine_benchmark(
     compile_mode: CompileMode = "auto",
     dtype: DType = "auto",
     weight_packing: WeightPacking = "auto",
+    decode_attention: DecodeAttentionMode = "auto",
 ) -> EngineBenchReport:
     torch.set_num_threads(threads)
     max_c = max(concurrencies)
     config = EngineConfig(model=str(model_dir), device=device, kv_cache_bytes=256 * 2**20,
                           max_num_seqs=max(max_c, 1), max_num_batched_tokens=max(512, max_c),
-                          num_threads=threads, compile=compile_mode, dtype=dtype, cpu_weight_packing=weight_packing)
+                          num_threads=threads, compile=compile_mode, dtype=dtype, cpu_weight_packing=weight_packing,
+                          cpu_decode_attention=decode_attention)
     engine = LLMEngine.from_config(config)
     prompts = default_prompts(model_dir, engine.tokenizer)
     report = EngineBenchReport(model=str(model_dir), device=str(engine.device), dtype=str(engine.dtype),
                                threads=torch.get_num_threads(), prompt_tokens=[len(p) for p in prompts],
                                output_len=output_len,
                                compiled=engine.compiled.decisions if engine.compiled is not None else [],
-                               weight_packing=[asdict(d) for d in engine.weight_packing])
+                               weight_packing=[asdict(d) for d in engine.weight_packing],
+                               decode_attention=[asdict(d) for d in engine.decode_attention])
     runs: list[Callable[[], RunResult]] = []
     for c in concurrencies:
         runs.append(functools.partial(bench_engine, engine, prompts, c, output_len))

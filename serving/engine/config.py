@@ -13,6 +13,7 @@ from pydantic import Field, model_validator
 
 from serving.config import (
     CompileMode,
+    DecodeAttentionMode,
     ModelSection,
     Quantization,
     SchedulerSection,
@@ -46,6 +47,7 @@ class EngineConfig(StrictModel):
     quantization: Quantization = section_field(ModelSection, "quantization")
     compile: CompileMode = section_field(ModelSection, "compile")
     cpu_weight_packing: WeightPacking = section_field(ModelSection, "cpu_weight_packing")
+    cpu_decode_attention: DecodeAttentionMode = section_field(ModelSection, "cpu_decode_attention")
     max_queue: int = section_field(SchedulerSection, "max_queue")
     enable_prefix_caching: bool = section_field(SchedulerSection, "enable_prefix_caching")
     seed: int = Field(0, description="Seeds the generators of requests that bring no seed.")
@@ -81,6 +83,7 @@ class EngineConfig(StrictModel):
             quantization=model.quantization,
             compile=model.compile,
             cpu_weight_packing=model.cpu_weight_packing,
+            cpu_decode_attention=model.cpu_decode_attention,
             max_queue=scheduler.max_queue,
             enable_prefix_caching=scheduler.enable_prefix_caching,
             speculative=config.speculative,

@@ -18,6 +18,9 @@ import torch
 from serving.engine.batch import ForwardBatch, ForwardBatchBuilder, SequenceInput
 from serving.engine.compile import CompiledForward, buckets_up_to
 from serving.engine.config import EngineConfig
+from serving.engine.cpu_attention import AttentionDecision
+from serving.engine.cpu_attention import choose as choose_attention
+from serving.engine.cpu_attention import unsupported_reason as attention_unsupported
 from serving.engine.cpu_linear import PackingDecision, choose, unsupported_reason
 from serving.engine.grammar import RequestGrammar, apply_grammar_masks
 from serving.engine.kv_cache import BlockManager, KVCache, kv_bytes_per_block
@@ -87,6 +90,7 @@ class LLMEngine:
         self.tp_group: TensorParallelGroup | None = None  # ranks 1..tp-1 (from_config starts them)
         self.weight_packing: list[PackingDecision] = []  # per model (target, draft): set by pack_weights()
         self.draft_rollout: RolloutDecision | None = None  # set by prepare_draft_rollout() (a draft model only)
+        self.decode_attention: list[AttentionDecision] = []  # per model (target, draft): set by choose_attention()
 
     # ---- construction -------------------------------------------------------------------------------
 
@@ -133,6 +137,7 @@ class LLMEngine:
         # CPU with a draft: the rollout first (compiled and measured on the plain weights it needs), then packing
         engine.prepare_draft_rollout()  # serving.engine.spec.rollout
         engine.pack_weights()  # CPU: measured per model at start-up, before ready (serving.engine.cpu_linear)
+        engine.choose_attention()  # CPU: decode attention in place or gathered (serving.engine.cpu_attention)
         if compiles(config.compile, device) and tp_group is None:
             engine.compile_steps()  # part of start-up: the server reports ready only after it
         return engine
@@ -171,6 +176,19 @@ class LLMEngine:
                     "which needs plain weights"))
             else:
                 self.weight_packing.append(choose(proposer.model, "draft", config.cpu_weight_packing, reason_not))
+
+    def choose_attention(self) -> None:
+        """model.cpu_decode_attention: decode groups of the target and the draft through the CPU kernel, or not."""
+        config = self.config
+        models = [("target", self.model)]
+        proposer = self.speculator.proposer if self.speculator is not None else None
+        if isinstance(proposer, DraftModelProposer):
+            models.append(("draft", proposer.model))
+        self.decode_attention = [
+            choose_attention(model, name, config.cpu_decode_attention,
+                             attention_unsupported(model.device, model.dtype, self.tp_group is not None))
+            for name, model in models
+        ]
 
     def prepare_draft_rollout(self) -> None:
         """speculative.draft_rollout: the draft's catch-up and drafts as one compiled graph, or why not."""

@@ -124,6 +124,9 @@ class Attention(nn.Module):
         # FlexAttention straight from the paged cache (serving.engine.paged_attention) instead of gather + SDPA;
         # Transformer.set_paged_attention turns it on (the engine does on CUDA)
         self.paged = False
+        # CPU: decode groups (one query token per sequence) attend through a C++ kernel reading the paged cache in
+        # place (serving.engine.cpu_attention; Transformer.set_decode_kernel); None: gather + SDPA
+        self.decode_kernel: Callable[..., torch.Tensor] | None = None
 
     def forward(
         self,
@@ -169,6 +172,11 @@ class Attention(nn.Module):
             q_pad = q.index_select(0, group.query_index)
         if self.paged:
             o = self.attend_paged(q_pad.view(g, max_q, self.n_heads, d).transpose(1, 2), group, cache, layer)
+        elif max_q == 1 and self.decode_kernel is not None:
+            assert group.seq_lens is not None
+            k_blocks, v_blocks = cache.layer_blocks(layer)
+            o = self.decode_kernel(q_pad, k_blocks, v_blocks, group.block_tables, group.seq_lens, self.n_rep,
+                                   self.scale)
         else:
             o = self.attend_gathered(q_pad, group, cache, layer)
         if not group.uniform:
@@ -260,6 +268,12 @@ class Transformer(nn.Module):
         for layer in self.layers:
             assert isinstance(layer, TransformerBlock)
             layer.attention.paged = on
+
+    def set_decode_kernel(self, kernel: Callable[..., torch.Tensor] | None) -> None:
+        """CPU: attend decode groups through `kernel` (serving.engine.cpu_attention), or gather + SDPA (None)."""
+        for layer in self.layers:
+            assert isinstance(layer, TransformerBlock)
+            layer.attention.decode_kernel = kernel
 
     @property
     def dtype(self) -> torch.dtype:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from serving.config import WeightPacking
+from serving.config import DecodeAttentionMode, WeightPacking
 from serving.engine.benchmark import default_prompts
 from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine
@@ -51,6 +51,7 @@ class PrefixBenchReport:
     ttft_p50_on_over_off: float = 0.0  # goal <= 1/3
     outputs_identical: bool = False
     weight_packing: list[dict[str, Any]] = field(default_factory=list)  # the engines' PackingDecision (same config)
+    decode_attention: list[dict[str, Any]] = field(default_factory=list)  # their AttentionDecision (same config)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -113,6 +114,7 @@ def run_prefix_benchmark(
     threads: int = 1,
     device: str = "cpu",
     weight_packing: WeightPacking = "auto",
+    decode_attention: DecodeAttentionMode = "auto",
 ) -> PrefixBenchReport:
     if requests < 1 or concurrency < 1 or system_tokens < 1 or output_len < 1:
         raise ValueError("requests, concurrency, system prompt tokens and output length must all be positive")
@@ -121,7 +123,8 @@ def run_prefix_benchmark(
     for caching in (False, True):
         config = EngineConfig(model=str(model_dir), device=device, kv_cache_bytes=256 * 2**20,
                               max_num_seqs=max(concurrency, 1), max_num_batched_tokens=2048, num_threads=threads,
-                              enable_prefix_caching=caching, cpu_weight_packing=weight_packing)
+                              enable_prefix_caching=caching, cpu_weight_packing=weight_packing,
+                              cpu_decode_attention=decode_attention)
         engines[caching] = LLMEngine.from_config(config)
     engine = engines[True]
     user = [p[-48:] for p in default_prompts(model_dir, engine.tokenizer, count=requests)]
@@ -134,7 +137,8 @@ def run_prefix_benchmark(
     report = PrefixBenchReport(model=str(model_dir), device=str(engine.device), threads=torch.get_num_threads(),
                                system_prompt_tokens=system_tokens, user_tokens=[len(u) for u in user],
                                requests=requests, concurrency=concurrency, output_len=output_len,
-                               weight_packing=[asdict(d) for d in engine.weight_packing])
+                               weight_packing=[asdict(d) for d in engine.weight_packing],
+                               decode_attention=[asdict(d) for d in engine.decode_attention])
     # warm-up on an unrelated prompt of the same shape: allocator and kernels, not the cache under test
     warm = [[(t + 7) % engine.args.vocab_size for t in prompts[0]]]
     outputs = {}

@@ -20,6 +20,14 @@ _PACKING_ARG: dict[str, Any] = {
             "step measured no slower at start-up; the JSON lists the decisions)",
 }
 
+# model.cpu_decode_attention of every engine a bench builds (serving.engine.cpu_attention)
+_ATTENTION_ARG: dict[str, Any] = {
+    "choices": ("auto", "on", "off"), "default": "auto",  # serving.config.DecodeAttentionMode
+    "help": "model.cpu_decode_attention of every engine measured (auto: per model, decode attention through the C++ "
+            "kernel reading the paged cache in place where it measured faster at start-up; the JSON lists the "
+            "decisions)",
+}
+
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("bench", help="benchmark the serving engine")
@@ -47,6 +55,7 @@ def register(subparsers: Any) -> None:
                         help="model.compile for the engine (auto: compiled small steps on CUDA only; on: also on "
                              "CPU, each bucket kept only where it beat eager at warm-up; the report lists them)")
     engine.add_argument("--cpu-weight-packing", **_PACKING_ARG)
+    engine.add_argument("--cpu-decode-attention", **_ATTENTION_ARG)
     engine.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
                         help="weight and activation precision of the engine and the baselines (auto: fp32 on CPU)")
     engine.add_argument("--quantization", choices=("int8", "fp8"),
@@ -76,6 +85,7 @@ def register(subparsers: Any) -> None:
                            "counts (default 2)")
     spec.add_argument("--json-out", type=Path, help="also write the JSON report to this file")
     spec.add_argument("--cpu-weight-packing", **_PACKING_ARG)
+    spec.add_argument("--cpu-decode-attention", **_ATTENTION_ARG)
     spec.add_argument("--draft-rollout", choices=("auto", "on", "off"), default="auto",
                       help="speculative.draft_rollout of the draft engine (auto: the draft's catch-up and drafts as "
                            "one compiled graph on CPU where the start-up measurement finds it faster)")
@@ -103,6 +113,7 @@ def register(subparsers: Any) -> None:
     prefix.add_argument("--threads", type=int, default=1, help="torch threads")
     prefix.add_argument("--device", default="cpu", help="cpu or cuda")
     prefix.add_argument("--cpu-weight-packing", **_PACKING_ARG)
+    prefix.add_argument("--cpu-decode-attention", **_ATTENTION_ARG)
     prefix.add_argument("--json-out", type=Path, help="also write the JSON report to this file")
     prefix.set_defaults(func=_bench_prefix)
 
@@ -162,7 +173,8 @@ def _bench_engine(args: argparse.Namespace) -> int:
     report = run_engine_benchmark(_model_dir(args.model), concurrencies, args.output_len, args.threads,
                                   baselines=not args.no_baselines, profile=args.profile, device=args.device,
                                   repeats=args.repeats, compile_mode=args.compile, dtype=args.dtype,
-                                  weight_packing=args.cpu_weight_packing)
+                                  weight_packing=args.cpu_weight_packing,
+                                  decode_attention=args.cpu_decode_attention)
     data = report.to_dict()
     profile = data.pop("profile")
     text = json.dumps(data, indent=2)
@@ -217,7 +229,8 @@ def _bench_spec(args: argparse.Namespace) -> int:
                                 _concurrencies(args.concurrency), args.output_len, args.prompts, args.k,
                                 args.threads, baselines=not args.no_baselines, repeats=max(args.repeats, 1),
                                 compile_mode=args.compile, adaptive=not args.no_adaptive, dtype=args.dtype,
-                                weight_packing=args.cpu_weight_packing, draft_rollout=args.draft_rollout)
+                                weight_packing=args.cpu_weight_packing, draft_rollout=args.draft_rollout,
+                                decode_attention=args.cpu_decode_attention)
     text = json.dumps(report.to_dict(), indent=2)
     sys.stdout.write(text + "\n")
     if args.json_out:
@@ -259,7 +272,8 @@ def _bench_prefix(args: argparse.Namespace) -> int:
         if getattr(args, flag) < 1:
             raise CommandError(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
     report = run_prefix_benchmark(_model_dir(args.model), args.requests, args.concurrency, args.system_tokens,
-                                  args.output_len, args.threads, args.device, args.cpu_weight_packing)
+                                  args.output_len, args.threads, args.device, args.cpu_weight_packing,
+                                  args.cpu_decode_attention)
     text = json.dumps(report.to_dict(), indent=2)
     sys.stdout.write(text + "\n")
     if args.json_out:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from serving.config import DraftRolloutMode, WeightPacking
+from serving.config import DecodeAttentionMode, DraftRolloutMode, WeightPacking
 from serving.engine.batch import SequenceInput, build_forward_batch
 from serving.engine.config import CompileMode, DType, EngineConfig, SpeculativeConfig
 from serving.engine.engine import LLMEngine
@@ -79,6 +79,8 @@ class SpecBenchReport:
     c1_rounds: int = 1  # passes over the prompts at c=1, each prompt on every system back to back
     weight_packing: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # engine -> PackingDecision per model
     draft_rollout: dict[str, Any] | None = None  # the draft engine's RolloutDecision (speculative.draft_rollout)
+    # engine -> AttentionDecision per model (model.cpu_decode_attention)
+    decode_attention: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     draft_rollouts: int = 0  # compiled rollouts the draft engine ran over the whole bench
     counters: dict[str, dict[str, Any]] = field(default_factory=dict)  # proposer -> its engine's SpecStats, whole run
     # where a c=1 step goes, spec off and draft (one more sequential pass each, profiled: StepBreakdown fields)
@@ -93,11 +95,11 @@ class SpecBenchReport:
 
 def make_engine(target: Path, spec: SpeculativeConfig, max_num_seqs: int, threads: int,
                 compile_mode: CompileMode = "auto", dtype: DType = "auto",
-                weight_packing: WeightPacking = "auto") -> LLMEngine:
+                weight_packing: WeightPacking = "auto", decode_attention: DecodeAttentionMode = "auto") -> LLMEngine:
     return LLMEngine.from_config(EngineConfig(
         model=str(target), device="cpu", kv_cache_bytes=256 * 2**20, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max(512, max_num_seqs), num_threads=threads, speculative=spec, compile=compile_mode,
-        dtype=dtype, cpu_weight_packing=weight_packing,
+        dtype=dtype, cpu_weight_packing=weight_packing, cpu_decode_attention=decode_attention,
     ))
 
 
@@ -280,10 +282,11 @@ def run_spec_benchmark(
     dtype: DType = "auto",
     weight_packing: WeightPacking = "auto",
     draft_rollout: DraftRolloutMode = "auto",
+    decode_attention: DecodeAttentionMode = "auto",
 ) -> SpecBenchReport:
     torch.set_num_threads(threads)
     max_c = max(concurrencies)
-    engine_args = (max_c, threads, compile_mode, dtype, weight_packing)
+    engine_args = (max_c, threads, compile_mode, dtype, weight_packing, decode_attention)
     off = make_engine(target, SpeculativeConfig(enabled=False), *engine_args)
     on_draft = make_engine(target, SpeculativeConfig(enabled=True, method="draft", draft_model=str(draft),
                                                      num_draft_tokens=k, adaptive=adaptive,
@@ -297,6 +300,7 @@ def run_spec_benchmark(
                              compile_mode, adaptive)
     systems = {"spec_off": off, "spec_draft": on_draft, "spec_ngram": on_ngram}
     report.weight_packing = {name: [asdict(d) for d in engine.weight_packing] for name, engine in systems.items()}
+    report.decode_attention = {name: [asdict(d) for d in engine.decode_attention] for name, engine in systems.items()}
     report.draft_rollout = asdict(on_draft.draft_rollout) if on_draft.draft_rollout is not None else None
 
     for engine in (off, on_draft, on_ngram):  # warm-up, and a first fit of the policy's cost model
