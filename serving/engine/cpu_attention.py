@@ -97,10 +97,11 @@ def _cpu_identity() -> str:
     return "\n".join(sorted(set(keep)))
 
 
-def build(directory: Path | None = None) -> Path:
+def build(directory: Path | None = None, defines: tuple[str, ...] = ()) -> Path:
     """The shared library for this host, compiled unless a build of the same source, flags, compiler and CPU is
     cached. Written under a temporary name and renamed, so a concurrent or interrupted build never leaves a
-    partial library where a loader would find it."""
+    partial library where a loader would find it. defines: preprocessor names set (the tests build the kernel's
+    portable path with SPECDEPLOY_GENERIC)."""
     compiler = find_compiler()
     if compiler is None:
         raise KernelUnavailable(f"no C++ compiler on PATH (looked for {', '.join(COMPILERS)})")
@@ -109,7 +110,8 @@ def build(directory: Path | None = None) -> Path:
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"{compiler} --version failed: {e}") from e
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
+    flags = (*FLAGS, *(f"-D{name}" for name in defines))
+    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(),
                                      _cpu_identity().encode()])).hexdigest()[:20]
     directory = cache_dir() if directory is None else directory
     target = directory / f"cpu_decode_attention-{key}.so"
@@ -122,7 +124,7 @@ def build(directory: Path | None = None) -> Path:
     except OSError as e:
         raise KernelUnavailable(f"cannot write the kernel cache {directory}: {e} (set {CACHE_ENV})") from e
     try:
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", partial], capture_output=True, text=True,
+        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", partial], capture_output=True, text=True,
                               timeout=300)
         if done.returncode != 0:
             raise KernelUnavailable(f"{compiler} failed to build {SOURCE.name} (exit {done.returncode}): "

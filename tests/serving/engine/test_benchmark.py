@@ -56,7 +56,7 @@ def test_bench_engine_command_prints_json_and_a_table(
 
 
 @pytest.mark.parametrize("packing", ["on", "off"])
-def test_bench_engine_passes_dtype_and_weight_packing_to_the_engine(
+def test_bench_engine_passes_dtype_weight_packing_and_decode_attention_to_the_engine(
     llama_dir: Path, tmp_path: Path, packing: str
 ) -> None:
     import torch
@@ -64,13 +64,15 @@ def test_bench_engine_passes_dtype_and_weight_packing_to_the_engine(
     out = tmp_path / "report.json"
     code = main(["bench", "engine", "--model", str(llama_dir), "--concurrency", "1", "--output-len", "2",
                  "--no-baselines", "--repeats", "1", "--dtype", "bf16", "--cpu-weight-packing", packing,
-                 "--json-out", str(out)])
+                 "--cpu-decode-attention", "off", "--json-out", str(out)])
     assert code == 0
     report = json.loads(out.read_text())
     assert report["dtype"] == "torch.bfloat16"
     (decision,) = report["weight_packing"]
     bf16_packs = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert decision["model"] == "target" and decision["packed"] is (packing == "on" and bf16_packs)
+    assert report["decode_attention"] == [{"model": "target", "kernel": False, "gather_ms": None, "kernel_ms": None,
+                                           "reason": "model.cpu_decode_attention is off"}]
 
 
 @pytest.mark.slow
@@ -79,13 +81,17 @@ def test_bench_spec_passes_dtype_and_weight_packing_to_every_engine(tmp_path: Pa
     out = tmp_path / "spec.json"
     code = main(["bench", "spec", "--concurrency", "1", "--output-len", "4", "--prompts", "2", "--no-baselines",
                  "--repeats", "1", "--dtype", "fp32", "--cpu-weight-packing", "on", "--draft-rollout", "off",
-                 "--json-out", str(out)])
+                 "--cpu-decode-attention", "on", "--json-out", str(out)])
     assert code == 0
     report = json.loads(out.read_text())
     packed = {name: [(d["model"], d["packed"]) for d in decisions]
               for name, decisions in report["weight_packing"].items()}
     assert packed == {"spec_off": [("target", True)], "spec_draft": [("target", True), ("draft", True)],
                       "spec_ngram": [("target", True)]}
+    in_place = {name: [(d["model"], d["kernel"]) for d in decisions]
+                for name, decisions in report["decode_attention"].items()}
+    assert in_place == {"spec_off": [("target", True)], "spec_draft": [("target", True), ("draft", True)],
+                        "spec_ngram": [("target", True)]}
     assert report["c1_rounds"] == 1 and report["greedy_identical"] is True
     assert {r["system"]: r["requests"] for r in report["c1"]} == {"spec_off": 2, "spec_draft": 2, "spec_ngram": 2}
     assert report["c1_draft_paired_speedup"] > 0

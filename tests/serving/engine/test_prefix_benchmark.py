@@ -45,11 +45,12 @@ def test_bench_prefix_command_names_a_bad_flag(llama_dir: Path, capsys: pytest.C
     assert "--requests must be a positive integer" in capsys.readouterr().err
 
 
-def test_bench_prefix_passes_weight_packing_to_both_engines(tmp_path: Path) -> None:
+def test_bench_prefix_passes_weight_packing_and_decode_attention_to_both_engines(tmp_path: Path) -> None:
     out = tmp_path / "prefix.json"
     code = main(["bench", "prefix", "--system-tokens", "64", "--requests", "2", "--output-len", "2",
-                 "--cpu-weight-packing", "on", "--json-out", str(out)])
+                 "--cpu-weight-packing", "on", "--cpu-decode-attention", "off", "--json-out", str(out)])
     assert code == 0
     report = json.loads(out.read_text())
     assert [(d["model"], d["packed"]) for d in report["weight_packing"]] == [("target", True)]
+    assert [(d["model"], d["kernel"]) for d in report["decode_attention"]] == [("target", False)]
     assert report["outputs_identical"] is True
