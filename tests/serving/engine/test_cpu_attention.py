@@ -195,7 +195,7 @@ def test_a_failed_build_names_the_error_and_leaves_nothing_behind(monkeypatch: p
                    'echo "error: no such instruction" >&2; exit 1')
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
     cache = tmp_path / "cache"
-    with pytest.raises(KernelUnavailable, match="failed to build cpu_decode_attention.cpp \\(exit 1\\): error: no such"):
+    with pytest.raises(KernelUnavailable, match=r"failed to build cpu_decode_attention.cpp \(exit 1\): error: no"):
         build(cache)
     assert os.listdir(cache) == []  # the partial output was removed, nothing is cached under the final name
 
