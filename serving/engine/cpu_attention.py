@@ -11,7 +11,10 @@ longer queries (prefill, verify) keep gather + SDPA, whose matrix products are f
 
 Built at start-up with the host's C++ compiler (`-O3 -march=native`, half a second) into a cache directory,
 keyed by the source, the flags, the compiler and the CPU, and loaded with ctypes: a plain C ABI, no torch
-headers. Where no compiler is on PATH (the server image) the decision says so and attention gathers.
+headers. The server image has no compiler: its build stage compiles portable variants instead
+(`python -m serving.engine.cpu_attention prebuild DIR`: x86-64-v3 with AVX2 and FMA, baseline x86-64, or
+armv8-a), and a host without a compiler loads the best one its CPU runs. With neither, the decision says so and
+attention gathers.
 
 - `auto` (default): on CPU, fp32, without tensor parallelism, the kernel is built, checked against gather + SDPA
   on random data, and a decode group of 1 and of 16 sequences is timed both ways on the model's own attention
@@ -32,6 +35,7 @@ import platform
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -49,7 +53,15 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_decode_attention.cpp"
 COMPILERS = ("c++", "g++", "clang++")
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
+COMMON_FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
+FLAGS = (*COMMON_FLAGS, "-march=native")
+PREBUILT_DIR = Path(__file__).parent / "prebuilt"  # portable builds, made by the server image's build stage
+# per machine, best first: (name, -march flags, CPU flags the build needs, as /proc/cpuinfo spells them)
+PORTABLE: dict[str, list[tuple[str, tuple[str, ...], tuple[str, ...]]]] = {
+    "x86_64": [("x86-64-v3", ("-march=x86-64-v3", "-mtune=generic"), ("avx2", "fma", "bmi2", "movbe")),
+               ("x86-64", ("-march=x86-64", "-mtune=generic"), ())],
+    "aarch64": [("armv8-a", ("-march=armv8-a",), ())],
+}
 CACHE_ENV = "SPECDEPLOY_KERNEL_CACHE"  # where built kernels are kept (default: ~/.cache/specdeploy/kernels)
 _SYMBOL = "specdeploy_decode_attention_f32"
 _ROUNDS, _CALLS = 7, 5  # auto: interleaved timing rounds, calls per round and shape
@@ -97,11 +109,38 @@ def _cpu_identity() -> str:
     return "\n".join(sorted(set(keep)))
 
 
+def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> None:
+    """Compile the source to `target`, under a temporary name renamed at the end, so a concurrent or interrupted
+    build never leaves a partial library where a loader would find it."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, partial = tempfile.mkstemp(dir=target.parent, prefix=".building-", suffix=".so")
+        os.close(fd)
+    except OSError as e:
+        raise KernelUnavailable(f"cannot write the kernel cache {target.parent}: {e} (set {CACHE_ENV})") from e
+    try:
+        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", partial], capture_output=True, text=True,
+                              timeout=300)
+        if done.returncode != 0:
+            raise KernelUnavailable(f"{compiler} failed to build {SOURCE.name} (exit {done.returncode}): "
+                                    f"{done.stderr.strip()[-500:]}")
+        os.chmod(partial, 0o755)  # mkstemp makes it 0600: readable to other users (the image's server user)
+        os.replace(partial, target)
+    except subprocess.SubprocessError as e:
+        raise KernelUnavailable(f"{compiler} failed to build {SOURCE.name}: {e}") from e
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+
+
+def _source_digest() -> str:
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+
+
 def build(directory: Path | None = None, defines: tuple[str, ...] = ()) -> Path:
-    """The shared library for this host, compiled unless a build of the same source, flags, compiler and CPU is
-    cached. Written under a temporary name and renamed, so a concurrent or interrupted build never leaves a
-    partial library where a loader would find it. defines: preprocessor names set (the tests build the kernel's
-    portable path with SPECDEPLOY_GENERIC)."""
+    """The shared library for this host (-march=native), compiled unless a build of the same source, flags,
+    compiler and CPU is cached. defines: preprocessor names set (the tests build the kernel's portable path
+    with SPECDEPLOY_GENERIC)."""
     compiler = find_compiler()
     if compiler is None:
         raise KernelUnavailable(f"no C++ compiler on PATH (looked for {', '.join(COMPILERS)})")
@@ -109,40 +148,61 @@ def build(directory: Path | None = None, defines: tuple[str, ...] = ()) -> Path:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"{compiler} --version failed: {e}") from e
-    source = SOURCE.read_bytes()
     flags = (*FLAGS, *(f"-D{name}" for name in defines))
-    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(),
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), version.encode(),
                                      _cpu_identity().encode()])).hexdigest()[:20]
     directory = cache_dir() if directory is None else directory
     target = directory / f"cpu_decode_attention-{key}.so"
-    if target.exists():
-        return target
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, partial = tempfile.mkstemp(dir=directory, prefix=".building-", suffix=".so")
-        os.close(fd)
-    except OSError as e:
-        raise KernelUnavailable(f"cannot write the kernel cache {directory}: {e} (set {CACHE_ENV})") from e
-    try:
-        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", partial], capture_output=True, text=True,
-                              timeout=300)
-        if done.returncode != 0:
-            raise KernelUnavailable(f"{compiler} failed to build {SOURCE.name} (exit {done.returncode}): "
-                                    f"{done.stderr.strip()[-500:]}")
-        os.replace(partial, target)
-    except subprocess.SubprocessError as e:
-        raise KernelUnavailable(f"{compiler} failed to build {SOURCE.name}: {e}") from e
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
-    log.info("built the CPU decode attention kernel: %s", target)
+    if not target.exists():
+        _compile(compiler, flags, target)
+        log.info("built the CPU decode attention kernel: %s", target)
     return target
+
+
+def prebuild(directory: Path) -> list[Path]:
+    """Portable builds for this machine architecture (PORTABLE), named by the source's digest so that a loader
+    never takes a build of other source. For an image whose runtime has no compiler."""
+    compiler = find_compiler()
+    if compiler is None:
+        raise KernelUnavailable(f"no C++ compiler on PATH (looked for {', '.join(COMPILERS)})")
+    variants = PORTABLE.get(platform.machine())
+    if not variants:
+        raise KernelUnavailable(f"no portable build is defined for {platform.machine()}")
+    built = []
+    for name, march, _ in variants:
+        target = directory / f"cpu_decode_attention-{_source_digest()}-{name}.so"
+        _compile(compiler, (*COMMON_FLAGS, *march), target)
+        built.append(target)
+    return built
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in info.splitlines():
+        if line.startswith(("flags", "Features")):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def find_prebuilt(directory: Path | None = None) -> tuple[Path, str] | None:
+    """The best portable build in `directory` (default PREBUILT_DIR) that this CPU runs, and its name; None if
+    there is none."""
+    directory = PREBUILT_DIR if directory is None else directory
+    flags = _cpu_flags()
+    for name, _, needs in PORTABLE.get(platform.machine(), []):
+        path = directory / f"cpu_decode_attention-{_source_digest()}-{name}.so"
+        if path.exists() and set(needs) <= flags:
+            return path, name
+    return None
 
 
 class DecodeAttentionKernel:
     """The loaded kernel: attention of one query token per sequence over its paged context."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, origin: str = "built for this CPU") -> None:
         try:
             self._lib = ctypes.CDLL(str(path))
             fn = getattr(self._lib, _SYMBOL)
@@ -153,6 +213,7 @@ class DecodeAttentionKernel:
         fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
         self._fn = fn
         self.path = path
+        self.origin = origin  # "built for this CPU", or which portable build (reported in the decision)
 
     def __call__(self, q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, tables: torch.Tensor,
                  seq_lens: torch.Tensor, n_rep: int, scale: float) -> torch.Tensor:
@@ -176,8 +237,16 @@ class DecodeAttentionKernel:
 
 @cache
 def load() -> DecodeAttentionKernel:
-    """Build (or find) and load the kernel once per process; raises KernelUnavailable with the reason."""
-    return DecodeAttentionKernel(build())
+    """The kernel for this process, loaded once: built for this CPU where a compiler is on PATH, else the best
+    portable build shipped beside the source; raises KernelUnavailable with the reason."""
+    if find_compiler() is not None:
+        return DecodeAttentionKernel(build())
+    found = find_prebuilt()
+    if found is None:
+        raise KernelUnavailable(f"no C++ compiler on PATH (looked for {', '.join(COMPILERS)}) and no prebuilt "
+                                f"kernel for this CPU in {PREBUILT_DIR}")
+    path, name = found
+    return DecodeAttentionKernel(path, f"prebuilt {name}")
 
 
 def unsupported_reason(device: torch.device, dtype: torch.dtype, tensor_parallel: bool) -> str | None:
@@ -268,12 +337,33 @@ def choose(model: Transformer, name: str, mode: DecodeAttentionMode, reason_not:
         return decision
     if gather_s is None or kernel_s is None:
         model.set_decode_kernel(kernel)
-        return AttentionDecision(name, True, "model.cpu_decode_attention is on")
+        return AttentionDecision(name, True, f"model.cpu_decode_attention is on ({kernel.origin})")
     keep = kernel_s <= _KEEP_BELOW * gather_s
     if keep:
         model.set_decode_kernel(kernel)
     decision = AttentionDecision(
-        name, keep, f"decode groups of 1 and 16 sequences: kernel {kernel_s * 1e3:.3f} ms vs gather + SDPA "
-        f"{gather_s * 1e3:.3f} ms", gather_s * 1e3, kernel_s * 1e3)
+        name, keep, f"decode groups of 1 and 16 sequences: kernel {kernel_s * 1e3:.3f} ms ({kernel.origin}) vs "
+        f"gather + SDPA {gather_s * 1e3:.3f} ms", gather_s * 1e3, kernel_s * 1e3)
     log.info("cpu decode attention, %s: %s (%s)", name, "kernel" if keep else "gather + SDPA", decision.reason)
     return decision
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m serving.engine.cpu_attention prebuild DIR`: the portable builds, for an image's build stage."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m serving.engine.cpu_attention")
+    actions = parser.add_subparsers(dest="action", required=True)
+    action = actions.add_parser("prebuild", help="compile the portable builds for this architecture into DIR")
+    action.add_argument("directory", type=Path)
+    args = parser.parse_args(argv)
+    try:
+        for path in prebuild(args.directory):
+            sys.stdout.write(f"{path}\n")
+    except KernelUnavailable as e:
+        parser.exit(1, f"error: {e}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

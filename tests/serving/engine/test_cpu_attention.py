@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import stat
 from pathlib import Path
 from typing import Any
@@ -236,3 +237,68 @@ def test_the_server_config_key_reaches_the_engine_and_bad_values_are_refused() -
     with pytest.raises(ValidationError, match="cpu_decode_attention"):
         ServerConfig.model_validate({"model": {"path": "/m", "cpu_decode_attention": "kernel"}})
     assert tuple(_ATTENTION_ARG["choices"]) == get_args(DecodeAttentionMode)
+
+
+portable = pytest.mark.skipif(platform.machine() not in cpu_attention.PORTABLE,
+                              reason=f"no portable build is defined for {platform.machine()}")
+
+
+@portable
+def test_portable_builds_compute_the_same_and_the_best_one_the_cpu_runs_is_chosen(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """What the server image ships (its runtime has no compiler): every variant equals gathered SDPA, the loader
+    takes the first variant whose CPU features this CPU has, and never a build of other source."""
+    built = cpu_attention.prebuild(tmp_path)
+    variants = cpu_attention.PORTABLE[platform.machine()]
+    assert len(built) == len(variants) and all(cpu_attention._source_digest() in p.name for p in built)
+    g = torch.Generator().manual_seed(3)
+    k_pool, v_pool = torch.randn(32, 16, 4, 32, generator=g), torch.randn(32, 16, 4, 32, generator=g)
+    lens = torch.tensor([1, 17, 90])
+    tables = torch.randperm(32, generator=g)[:18].view(3, 6)
+    q = torch.randn(3, 8, 32, generator=g)
+    want = reference(q, k_pool, v_pool, tables, lens, 2)
+    for path, (name, _, needs) in zip(built, variants, strict=True):
+        if set(needs) <= cpu_attention._cpu_flags():  # a variant this CPU cannot run is not called
+            got = DecodeAttentionKernel(path, name)(q, k_pool, v_pool, tables, lens, 2, 32**-0.5)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+
+    monkeypatch.setattr(cpu_attention, "_cpu_flags", lambda: set())  # a CPU with none of the optional features
+    assert cpu_attention.find_prebuilt(tmp_path) == (built[-1], variants[-1][0])
+    monkeypatch.setattr(cpu_attention, "_cpu_flags", lambda: {f for _, _, needs in variants for f in needs})
+    assert cpu_attention.find_prebuilt(tmp_path) == (built[0], variants[0][0])
+    monkeypatch.setattr(cpu_attention, "_source_digest", lambda: "0" * 16)  # the source changed since the build
+    assert cpu_attention.find_prebuilt(tmp_path) is None
+
+
+@portable
+def test_without_a_compiler_the_engine_uses_the_prebuilt_kernel(kit: Any, llama_dir: Path,
+                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                tmp_path: Path) -> None:
+    prebuilt = tmp_path / "prebuilt"
+    cpu_attention.prebuild(prebuilt)
+    monkeypatch.setattr(cpu_attention, "PREBUILT_DIR", prebuilt)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    cpu_attention.load.cache_clear()
+    try:
+        engine = kit.make_engine(llama_dir, cpu_decode_attention="auto")
+        (decision,) = engine.decode_attention
+        assert "(prebuilt " in decision.reason
+        forced = kit.make_engine(llama_dir, cpu_decode_attention="on")
+        assert forced.decode_attention[0].reason.startswith("model.cpu_decode_attention is on (prebuilt ")
+        prompt = kit.random_prompts([12], seed=5)
+        params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)]
+        assert kit.run_to_completion(forced, prompt, params) == kit.run_to_completion(
+            kit.make_engine(llama_dir, cpu_decode_attention="off"), prompt, params)
+    finally:
+        cpu_attention.load.cache_clear()
+
+
+def test_the_prebuild_command_names_a_missing_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(SystemExit) as exit_info:
+        cpu_attention.main(["prebuild", str(tmp_path / "out")])
+    assert exit_info.value.code == 1
+    assert "error: no C++ compiler on PATH" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
