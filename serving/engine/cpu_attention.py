@@ -1,13 +1,15 @@
-"""Decode attention read in place from the paged KV cache on CPU (`model.cpu_decode_attention`).
+"""Decode and short verify attention read in place from the paged KV cache on CPU (`model.cpu_decode_attention`).
 
 The CPU attention path gathers a group's context blocks into one `[G, Hkv, K, D]` tensor and runs SDPA on the
 copy: every key and value is read, written, and read again. At 32 decoding sequences that was half of the demo
-target's step (4.6 of 9.3 ms). For decode groups (one query token per sequence) a small C++ kernel,
-`csrc/cpu_decode_attention.cpp`, reads each sequence's keys and values where they sit in the block pool instead:
-one pass for the scores of all query heads, one for the values. Measured on the demo target's shapes (4 KV heads
-x 2, head dim 32, 16-token blocks, one thread), gather + SDPA against the kernel: 1 sequence of 200 tokens
-0.029 against 0.013 ms, 32 sequences of 128-256 tokens 0.52 against 0.32 ms (docs/engine.md). Groups with
-longer queries (prefill, verify) keep gather + SDPA, whose matrix products are faster there.
+target's step (4.6 of 9.3 ms). For groups of short queries (`model.KERNEL_MAX_QUERY` = 3 tokens per sequence at
+most: decode steps, and verify steps of up to 2 drafts) a small C++ kernel, `csrc/cpu_decode_attention.cpp`,
+reads each sequence's keys and values where they sit in the block pool instead: one pass for the scores of all
+query rows, one for the values. Measured through the model's own attention on the demo target (4 KV heads x 2,
+head dim 32, 16-token blocks, a KV cache larger than the CPU's caches, one thread), the kernel's time as a share
+of gather + SDPA's: 0.48-0.51 for decode groups of 1-64 sequences, 0.65-0.82 at 2 query tokens, 0.75-0.79 at 3,
+0.85-1.13 at 4, 0.97-1.03 at 5, 1.2-1.7 at 9 (docs/engine.md). Longer queries keep gather + SDPA, whose
+matrix products win there.
 
 Built at start-up with the host's C++ compiler (`-O3 -march=native`, half a second) into a cache directory,
 keyed by the source, the flags, the compiler and the CPU, and loaded with ctypes: a plain C ABI, no torch
@@ -17,8 +19,9 @@ armv8-a), and a host without a compiler loads the best one its CPU runs. With ne
 attention gathers.
 
 - `auto` (default): on CPU, fp32, without tensor parallelism, the kernel is built, checked against gather + SDPA
-  on random data, and a decode group of 1 and of 16 sequences is timed both ways on the model's own attention
-  (7 interleaved rounds); the kernel is kept if it takes at most 0.95 of the gather path's time.
+  on random data (decode groups and a verify-shaped group), and a decode group of 1 and of 16 sequences is timed
+  both ways on the model's own attention (7 interleaved rounds); the kernel is kept if it takes at most 0.95 of
+  the gather path's time.
 - `on`: kept wherever it applies, without timing (still checked); a model where it cannot apply is refused by
   name. `off`: never.
 
@@ -45,9 +48,9 @@ from pathlib import Path
 import torch
 
 from serving.config import DecodeAttentionMode
-from serving.engine.batch import SequenceInput, build_forward_batch
+from serving.engine.batch import ForwardBatch, SequenceInput, build_forward_batch
 from serving.engine.kv_cache import KVCache
-from serving.engine.model import Attention, Transformer
+from serving.engine.model import KERNEL_MAX_QUERY, Attention, Transformer
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +79,7 @@ class KernelUnavailable(RuntimeError):
 @dataclass
 class AttentionDecision:
     model: str  # "target" or "draft"
-    kernel: bool  # decode groups attend through the kernel
+    kernel: bool  # decode and short verify groups attend through the kernel
     reason: str  # why (measured times, or why it does not apply)
     gather_ms: float | None = None  # the timed decode groups through gather + SDPA, median of the rounds (auto)
     kernel_ms: float | None = None
@@ -200,7 +203,7 @@ def find_prebuilt(directory: Path | None = None) -> tuple[Path, str] | None:
 
 
 class DecodeAttentionKernel:
-    """The loaded kernel: attention of one query token per sequence over its paged context."""
+    """The loaded kernel: attention of a few query tokens per sequence (decode, verify) over its paged context."""
 
     def __init__(self, path: Path, origin: str = "built for this CPU") -> None:
         try:
@@ -210,28 +213,32 @@ class DecodeAttentionKernel:
             raise KernelUnavailable(f"cannot load {path}: {e}") from e
         fn.restype = ctypes.c_int
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
+        fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
         self._fn = fn
         self.path = path
         self.origin = origin  # "built for this CPU", or which portable build (reported in the decision)
 
     def __call__(self, q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, tables: torch.Tensor,
-                 seq_lens: torch.Tensor, n_rep: int, scale: float) -> torch.Tensor:
-        """q [G, Hq, D] fp32 (rows may be strided); k/v_blocks [num_blocks, block_size, Hkv, D] contiguous;
-        tables [G, >= blocks used] int64 (rows may be strided); seq_lens [G] int64, the keys each sequence
-        attends to. Returns [G, Hq * D]. The caller guarantees every table entry read is a block of the pool."""
-        g, hq, d = q.shape
+                 q_start: torch.Tensor, seq_lens: torch.Tensor, n_rep: int, scale: float) -> torch.Tensor:
+        """q [G * T, Hq, D] fp32: T query tokens per sequence, token rows may be strided; k/v_blocks
+        [num_blocks, block_size, Hkv, D] contiguous; tables [G, >= blocks used] int64 (rows may be strided);
+        q_start [G] int64, each sequence's first query position (its token j sits at q_start + j and sees the keys
+        up to it); seq_lens [G] int64, the keys each sequence holds after the step. Returns [G * T, Hq * D].
+        The caller guarantees every table entry read is a block of the pool."""
+        rows, hq, d = q.shape
+        g = seq_lens.shape[0]
         if q.stride(2) != 1 or q.stride(1) != d:
             q = q.contiguous()
         if tables.stride(1) != 1:
             tables = tables.contiguous()
-        seq_lens = seq_lens.contiguous()
+        q_start, seq_lens = q_start.contiguous(), seq_lens.contiguous()
         _, block_size, hkv, _ = k_blocks.shape
-        out = torch.empty(g, hq * d, dtype=q.dtype)
-        rc = self._fn(q.data_ptr(), q.stride(0), k_blocks.data_ptr(), v_blocks.data_ptr(), tables.data_ptr(),
-                      tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), g, hkv, n_rep, d, block_size, scale)
+        out = torch.empty(rows, hq * d, dtype=q.dtype)
+        rc = self._fn(q.data_ptr(), q.stride(0), rows // g, q_start.data_ptr(), k_blocks.data_ptr(),
+                      v_blocks.data_ptr(), tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(), out.data_ptr(),
+                      g, hkv, n_rep, d, block_size, scale)
         if rc != 0:
-            raise ValueError(f"decode attention kernel refused its input (a sequence length <= 0: {seq_lens.tolist()})")
+            raise ValueError(f"attention kernel refused its input (a sequence length <= 0: {seq_lens.tolist()})")
         return out
 
 
@@ -259,16 +266,19 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, tensor_parallel
     return None
 
 
-def _decode_batch(model: Transformer, cache: KVCache, num_seqs: int, context: int, generator: torch.Generator):
-    """A decode step of num_seqs sequences over `context` cached tokens each, blocks scattered over the pool."""
+def _step_batch(model: Transformer, cache: KVCache, num_seqs: int, context: int, generator: torch.Generator,
+                query: int = 1) -> ForwardBatch:
+    """A step of num_seqs sequences with `query` new tokens each after about `context` cached ones, their blocks
+    scattered over the pool."""
     bs = cache.block_size
-    per_seq = -(-(context + 1) // bs)
+    per_seq = -(-(context + query) // bs)
     order = torch.randperm(cache.num_blocks, generator=generator)[: num_seqs * per_seq].view(num_seqs, per_seq)
-    seqs = [SequenceInput([1], context - (i % 3), order[i].tolist(), [0]) for i in range(num_seqs)]
+    seqs = [SequenceInput([1] * query, context - (i % 3), order[i].tolist(), list(range(query)))
+            for i in range(num_seqs)]
     return build_forward_batch(seqs, bs, model.args.n_rep, model.device, model.dtype)
 
 
-def _attend(attention: Attention, q: torch.Tensor, batch, cache: KVCache) -> torch.Tensor:
+def _attend(attention: Attention, q: torch.Tensor, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
     return torch.cat([attention.attend_group(q, group, cache, 0) for group in batch.groups])
 
 
@@ -276,24 +286,27 @@ def _attend(attention: Attention, q: torch.Tensor, batch, cache: KVCache) -> tor
 def _check_and_time(model: Transformer, kernel: DecodeAttentionKernel, timed: bool) -> tuple[float, float | None,
                                                                                               float | None]:
     """Compare the kernel with gather + SDPA on the model's first attention layer over a random cache (largest
-    difference), and with `timed` time both on decode groups of 1 and 16 sequences (medians in seconds)."""
+    difference; decode groups of 1 and 16 sequences and a group of 4 with the longest query the kernel takes), and
+    with `timed` time both on the decode groups (medians in seconds)."""
     args = model.args
     context = max(min(256, model.max_model_len - 1), 2)
     groups = (1, 16)
     bs = 16
-    num_blocks = max(groups) * (-(-(context + 1) // bs)) + 4
+    num_blocks = max(groups) * (-(-(context + KERNEL_MAX_QUERY) // bs)) + 4
     generator = torch.Generator().manual_seed(0)
     cache = KVCache(1, num_blocks, bs, args.n_kv_heads, args.head_dim, torch.float32, torch.device("cpu"))
     cache.k.normal_(generator=generator)
     cache.v.normal_(generator=generator)
     attention = model.layers[0].attention
     assert isinstance(attention, Attention)
-    batches = [_decode_batch(model, cache, g, context, generator) for g in groups]
-    queries = [torch.randn(b.num_tokens, args.n_heads, args.head_dim, generator=generator) for b in batches]
+    batches = [_step_batch(model, cache, g, context, generator) for g in groups]
+    verify = _step_batch(model, cache, 4, context, generator, KERNEL_MAX_QUERY)
+    queries = [torch.randn(b.num_tokens, args.n_heads, args.head_dim, generator=generator)
+               for b in (*batches, verify)]
     previous = attention.decode_kernel
     try:
         worst = 0.0
-        for batch, q in zip(batches, queries, strict=True):
+        for batch, q in zip((*batches, verify), queries, strict=True):
             attention.decode_kernel = None
             want = _attend(attention, q, batch, cache)
             attention.decode_kernel = kernel
@@ -308,7 +321,7 @@ def _check_and_time(model: Transformer, kernel: DecodeAttentionKernel, timed: bo
                 attention.decode_kernel = chosen
                 start = time.perf_counter()
                 for _ in range(_CALLS):
-                    for batch, q in zip(batches, queries, strict=True):
+                    for batch, q in zip(batches, queries, strict=False):  # the decode groups
                         _attend(attention, q, batch, cache)
                 times.append((time.perf_counter() - start) / _CALLS)
         return worst, statistics.median(gather), statistics.median(through_kernel)
@@ -317,8 +330,8 @@ def _check_and_time(model: Transformer, kernel: DecodeAttentionKernel, timed: bo
 
 
 def choose(model: Transformer, name: str, mode: DecodeAttentionMode, reason_not: str | None) -> AttentionDecision:
-    """Attend decode groups through the kernel or not, as `mode` says (see the module docstring); sets it on the
-    model and returns the decision. `on` where it cannot apply raises ValueError naming why."""
+    """Attend decode and short verify groups through the kernel or not, as `mode` says (see the module docstring);
+    sets it on the model and returns the decision. `on` where it cannot apply raises ValueError naming why."""
     if mode == "off":
         return AttentionDecision(name, False, "model.cpu_decode_attention is off")
     try:

@@ -21,6 +21,12 @@ from serving.engine.kv_cache import KVCache
 from serving.engine.paged_attention import CapturedDecode, paged_attention, paged_block_mask
 from serving.engine.rope import apply_rope, build_rope_cache, compute_inv_freq
 
+# CPU: groups whose queries are at most this long (decode, and verify steps of up to 2 drafts) attend through the
+# kernel that reads the paged cache in place (serving.engine.cpu_attention). Longer ones (longer verify steps,
+# prefill chunks) gather for SDPA, whose matrix products win there: measured on the demo target, the kernel took
+# 0.48-0.82 of gather + SDPA's time at 1-3 query tokens, 0.85-1.13 at 4, 0.97-1.03 at 5 and 1.2-1.7 at 9
+KERNEL_MAX_QUERY = 3
+
 SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 
 
@@ -124,8 +130,9 @@ class Attention(nn.Module):
         # FlexAttention straight from the paged cache (serving.engine.paged_attention) instead of gather + SDPA;
         # Transformer.set_paged_attention turns it on (the engine does on CUDA)
         self.paged = False
-        # CPU: decode groups (one query token per sequence) attend through a C++ kernel reading the paged cache in
-        # place (serving.engine.cpu_attention; Transformer.set_decode_kernel); None: gather + SDPA
+        # CPU: decode and verify groups (queries of at most KERNEL_MAX_QUERY tokens) attend through a C++ kernel
+        # reading the paged cache in place (serving.engine.cpu_attention; Transformer.set_decode_kernel); None:
+        # gather + SDPA
         self.decode_kernel: Callable[..., torch.Tensor] | None = None
 
     def forward(
@@ -172,11 +179,11 @@ class Attention(nn.Module):
             q_pad = q.index_select(0, group.query_index)
         if self.paged:
             o = self.attend_paged(q_pad.view(g, max_q, self.n_heads, d).transpose(1, 2), group, cache, layer)
-        elif max_q == 1 and self.decode_kernel is not None:
-            assert group.seq_lens is not None
+        elif max_q <= KERNEL_MAX_QUERY and self.decode_kernel is not None:
+            assert group.q_start is not None and group.seq_lens is not None
             k_blocks, v_blocks = cache.layer_blocks(layer)
-            o = self.decode_kernel(q_pad, k_blocks, v_blocks, group.block_tables, group.seq_lens, self.n_rep,
-                                   self.scale)
+            o = self.decode_kernel(q_pad, k_blocks, v_blocks, group.block_tables, group.q_start, group.seq_lens,
+                                   self.n_rep, self.scale)
         else:
             o = self.attend_gathered(q_pad, group, cache, layer)
         if not group.uniform:

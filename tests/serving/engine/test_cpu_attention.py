@@ -29,16 +29,21 @@ def kernels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, DecodeAttenti
 
 
 def reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-              lens: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """Each sequence's context gathered by hand and attended with SDPA: [G, Hq * D]."""
+              q_start: torch.Tensor, lens: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """Each sequence's context gathered by hand and attended with SDPA, causally: query token j of sequence g
+    sees keys 0 .. q_start[g] + j. q [G * T, Hq, D] -> [G * T, Hq * D]."""
     _, _, hkv, d = k_pool.shape
+    num_seqs = len(lens)
+    tokens = q.shape[0] // num_seqs
     rows = []
-    for g in range(q.shape[0]):
+    for g in range(num_seqs):
         n = int(lens[g])
         k = k_pool[tables[g]].reshape(-1, hkv, d)[:n].transpose(0, 1)  # [Hkv, n, D]
         v = v_pool[tables[g]].reshape(-1, hkv, d)[:n].transpose(0, 1)
-        o = F.scaled_dot_product_attention(q[g].reshape(hkv, n_rep, d), k, v)  # [Hkv, n_rep, D]
-        rows.append(o.reshape(-1))
+        for j in range(tokens):
+            seen = min(int(q_start[g]) + j + 1, n)
+            qj = q[g * tokens + j].reshape(hkv, n_rep, d)
+            rows.append(F.scaled_dot_product_attention(qj, k[:, :seen], v[:, :seen]).reshape(-1))
     return torch.stack(rows)
 
 
@@ -46,31 +51,45 @@ def reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
 @pytest.mark.parametrize("head_dim, n_kv_heads, n_rep", [(32, 4, 2), (64, 2, 4), (128, 1, 8), (32, 2, 1), (16, 2, 2),
                                                          (48, 3, 2)])
 @pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("tokens", [1, 3])
 def test_the_kernel_equals_gathered_sdpa(kernels: dict[str, DecodeAttentionKernel], path: str, head_dim: int,
-                                         n_kv_heads: int, n_rep: int, block_size: int) -> None:
+                                         n_kv_heads: int, n_rep: int, block_size: int, tokens: int) -> None:
     """Lengths from one key to several blocks, partial last blocks, a block shared by two sequences (prefix
-    caching), the query rows and block tables strided views of larger tensors (as the engine passes them)."""
-    g = torch.Generator().manual_seed(head_dim * 100 + n_rep * 10 + block_size)
+    caching), the query rows and block tables strided views of larger tensors (as the engine passes them); with
+    3 query tokens (a verify step), causal, and one sequence whose last query token is padding."""
+    g = torch.Generator().manual_seed(head_dim * 100 + n_rep * 10 + block_size + tokens)
     num_blocks = 64
     k_pool = torch.randn(num_blocks, block_size, n_kv_heads, head_dim, generator=g)
     v_pool = torch.randn(num_blocks, block_size, n_kv_heads, head_dim, generator=g)
-    lens = torch.tensor([1, 7, block_size, 3 * block_size + 5, 70])
+    lens = torch.tensor([3, 7, block_size, 3 * block_size + 5, 70])
+    q_start = lens - tokens
+    if tokens > 1:
+        q_start[2] += 1  # its last query slot is padding (a shorter query in the group): sees every key
     width = 2 + -(-int(lens.max()) // block_size)
     tables = torch.randperm(num_blocks, generator=g)[: len(lens) * width].view(len(lens), width)
     tables[4, 0] = tables[3, 0]  # a prefix block two sequences share
     hq = n_kv_heads * n_rep
-    qkv = torch.randn(len(lens), hq + 2 * n_kv_heads, head_dim, generator=g)
+    qkv = torch.randn(len(lens) * tokens, hq + 2 * n_kv_heads, head_dim, generator=g)
     q = qkv[:, :hq]  # strided rows, as the engine's q is a slice of the fused qkv projection
-    got = kernels[path](q, k_pool, v_pool, tables[:, : width - 1], lens, n_rep, head_dim**-0.5)
-    want = reference(q, k_pool, v_pool, tables, lens, n_rep)
+    got = kernels[path](q, k_pool, v_pool, tables[:, : width - 1], q_start, lens, n_rep, head_dim**-0.5)
+    want = reference(q, k_pool, v_pool, tables, q_start, lens, n_rep)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+
+
+def test_a_sequence_of_one_key(kernels: dict[str, DecodeAttentionKernel]) -> None:
+    """The first decode step after a one-token prompt: the output is that token's value."""
+    pool_k, pool_v = torch.randn(4, 16, 2, 32), torch.randn(4, 16, 2, 32)
+    q = torch.randn(1, 4, 32)
+    got = kernels["native"](q, pool_k, pool_v, torch.tensor([[2]]), torch.tensor([0]), torch.tensor([1]), 2, 0.2)
+    torch.testing.assert_close(got.view(2, 2, 32), pool_v[2, 0][:, None].expand(2, 2, 32))
 
 
 def test_the_kernel_refuses_an_empty_sequence(kernels: dict[str, DecodeAttentionKernel]) -> None:
     pool = torch.zeros(4, 16, 2, 32)
     q = torch.zeros(2, 4, 32)
     with pytest.raises(ValueError, match="length <= 0"):
-        kernels["native"](q, pool, pool, torch.zeros(2, 1, dtype=torch.long), torch.tensor([3, 0]), 2, 1.0)
+        kernels["native"](q, pool, pool, torch.zeros(2, 1, dtype=torch.long), torch.tensor([2, 0]),
+                          torch.tensor([3, 0]), 2, 1.0)
 
 
 def _engine_outputs(kit: Any, model_dir: Path, mode: str, **overrides: Any) -> tuple[list[list[int]], Any]:
@@ -257,10 +276,10 @@ def test_portable_builds_compute_the_same_and_the_best_one_the_cpu_runs_is_chose
     lens = torch.tensor([1, 17, 90])
     tables = torch.randperm(32, generator=g)[:18].view(3, 6)
     q = torch.randn(3, 8, 32, generator=g)
-    want = reference(q, k_pool, v_pool, tables, lens, 2)
+    want = reference(q, k_pool, v_pool, tables, lens - 1, lens, 2)
     for path, (name, _, needs) in zip(built, variants, strict=True):
         if set(needs) <= cpu_attention._cpu_flags():  # a variant this CPU cannot run is not called
-            got = DecodeAttentionKernel(path, name)(q, k_pool, v_pool, tables, lens, 2, 32**-0.5)
+            got = DecodeAttentionKernel(path, name)(q, k_pool, v_pool, tables, lens - 1, lens, 2, 32**-0.5)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
 
     monkeypatch.setattr(cpu_attention, "_cpu_flags", lambda: set())  # a CPU with none of the optional features
