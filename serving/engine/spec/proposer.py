@@ -23,16 +23,12 @@ class Proposals:
     probs: dict[str, torch.Tensor] = field(default_factory=dict)  # req_id -> q [k, vocab]; absent: one-hot q
     forward_seconds: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds) per draft forward
 
-    def truncated(self, ks: dict[str, int]) -> Proposals:
-        """Only the first ks[req_id] drafts of each request (the policy decided the rest are not worth it)."""
-        return Proposals({rid: drafts[: ks.get(rid, 0)] for rid, drafts in self.tokens.items()},
-                         {rid: q[: ks.get(rid, 0)] for rid, q in self.probs.items()}, self.forward_seconds)
-
 
 @runtime_checkable
 class Proposer(Protocol):
     # True: each draft position costs a model forward (the policy charges it, and the proposer may lag the
-    # sequence and have to catch up); False: drafting is free
+    # sequence and have to catch up); False: no forward (a lookup; the speculator still asks only for the drafts
+    # the policy chose)
     uses_model: bool
 
     def propose(self, reqs: list[Request], ks: dict[str, int]) -> Proposals:
