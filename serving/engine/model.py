@@ -277,7 +277,8 @@ class Transformer(nn.Module):
             layer.attention.paged = on
 
     def set_decode_kernel(self, kernel: Callable[..., torch.Tensor] | None) -> None:
-        """CPU: attend decode groups through `kernel` (serving.engine.cpu_attention), or gather + SDPA (None)."""
+        """CPU: attend decode and short verify groups through `kernel` (serving.engine.cpu_attention), or gather +
+        SDPA (None)."""
         for layer in self.layers:
             assert isinstance(layer, TransformerBlock)
             layer.attention.decode_kernel = kernel
