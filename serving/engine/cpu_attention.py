@@ -61,7 +61,9 @@ FLAGS = (*COMMON_FLAGS, "-march=native")
 PREBUILT_DIR = Path(__file__).parent / "prebuilt"  # portable builds, made by the server image's build stage
 # per machine, best first: (name, -march flags, CPU flags the build needs, as /proc/cpuinfo spells them)
 PORTABLE: dict[str, list[tuple[str, tuple[str, ...], tuple[str, ...]]]] = {
-    "x86_64": [("x86-64-v3", ("-march=x86-64-v3", "-mtune=generic"), ("avx2", "fma", "bmi2", "movbe")),
+    # x86-64-v3 as the psABI defines it: AVX2, FMA, BMI1/2, F16C, LZCNT (cpuinfo: abm), MOVBE, XSAVE, and v2 below
+    "x86_64": [("x86-64-v3", ("-march=x86-64-v3", "-mtune=generic"),
+                ("avx2", "fma", "bmi1", "bmi2", "f16c", "abm", "movbe", "xsave", "sse4_2", "popcnt", "cx16")),
                ("x86-64", ("-march=x86-64", "-mtune=generic"), ())],
     "aarch64": [("armv8-a", ("-march=armv8-a",), ())],
 }
