@@ -46,7 +46,6 @@ class Speculator:
         self.stats = SpecStats(accepted_per_position=[0] * config.num_draft_tokens)
         self._draft_probs: dict[str, torch.Tensor] = {}  # req_id -> q [k, vocab] of sampled draft tokens
         self._drafted: set[str] = set()  # requests that have drafted: their draft has caught up once
-        self._speculating_share = 1.0  # of the last step's candidates, the share given drafts
 
     # ---- proposing ----------------------------------------------------------------------------------
 
@@ -74,7 +73,6 @@ class Speculator:
         # model's compiled rollout). A request the n-gram proposer finds no match for drafts fewer than its k.
         flat = self.proposer.fixed_draft_seconds(by_id[next(iter(candidates))]) if len(candidates) == 1 else None
         ks = self.policy.choose(candidates, other_tokens, len(decoding), catch_up, flat)
-        self._speculating_share = sum(1 for k in ks.values() if k > 0) / len(ks)
         proposed = self.proposer.propose([by_id[rid] for rid, k in ks.items() if k > 0], ks)
         self._accept_proposals(proposed, by_id)
         for rid in candidates:
@@ -82,15 +80,13 @@ class Speculator:
             self.stats.k_histogram[k] = self.stats.k_histogram.get(k, 0) + 1
 
     def _catch_up(self, req: Request) -> float:
-        """Draft tokens to charge before the draft can draft for req. A catch-up is amortized over the request's
-        remaining steps (amortized_catch_up), which is right when the request will go on speculating: its first
-        (the prompt), or any while most candidates speculate (low load; a request that sat out a load spike
-        resumes once it is over). While most do not (the last step gave fewer than half its candidates drafts),
-        a request that drafted before pays its whole lag: resumed now, it would likely stop again next step, and
-        amortizing let the policy resume a changing few requests each step at 64 sequences, each resumption a
-        catch-up: the engine ran at 0.88x spec-off where always k = 0 ran at 1.00x and always k = 4 at 0.98x."""
+        """Draft tokens to charge before the draft can draft for req. The first catch-up (the prompt) is
+        amortized over the request; a request that drafted before and then sat out steps pays its whole lag
+        now: amortizing that too let the policy resume a changing few requests at 64 sequences, each resumption
+        a catch-up, and the engine ran at 0.88x spec-off where always k = 0 ran at 1.00x and always k = 4 at
+        0.98x."""
         lag = self.proposer.lag(req)
-        if req.request_id in self._drafted and self._speculating_share < 0.5:
+        if req.request_id in self._drafted:
             return float(lag)
         return amortized_catch_up(lag, req)
 
