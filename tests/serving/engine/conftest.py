@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,19 @@ def random_prompts(lengths: list[int], vocab: int = 128, seed: int = 1) -> list[
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
+@functools.cache
+def kernel_mode() -> str:
+    """`on` where the CPU attention kernel builds or loads here, else `off` (a host without a compiler or a
+    writable cache still runs the engine tests; test_cpu_attention.py skips there and says why)."""
+    from serving.engine import cpu_attention
+
+    try:
+        cpu_attention.load()
+    except cpu_attention.KernelUnavailable:
+        return "off"
+    return "on"
+
+
 def make_engine(model_dir: Path, **overrides: object) -> LLMEngine:
     # plain nn.Linear unless a test asks for packing: `auto` measures at start-up and could go either way for a
     # tiny model; tests/serving/engine/test_cpu_linear.py runs the packed path (and once ran this whole suite so)
@@ -67,7 +81,8 @@ def make_engine(model_dir: Path, **overrides: object) -> LLMEngine:
     # every engine test runs the path production CPUs take; tensor-parallel engines attend gathered (the kernel is
     # refused there by name). tests/serving/engine/test_cpu_attention.py covers auto, off and the refusals
     tp = int(overrides.get("tensor_parallel_size", 1))  # type: ignore[call-overload]
-    settings["cpu_decode_attention"] = "on" if tp == 1 and overrides.get("device", "cpu") == "cpu" else "auto"
+    settings["cpu_decode_attention"] = (kernel_mode() if tp == 1 and overrides.get("device", "cpu") == "cpu"
+                                        else "auto")
     # likewise the draft rollout (compiled at start-up: ~10-60 s a draft engine) unless a test sets it;
     # tests/serving/engine/spec/test_rollout.py runs it
     spec = overrides.get("speculative")
