@@ -36,7 +36,6 @@ import logging
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,6 +50,7 @@ from serving.config import DecodeAttentionMode
 from serving.engine.batch import ForwardBatch, SequenceInput, build_forward_batch
 from serving.engine.kv_cache import KVCache
 from serving.engine.model import KERNEL_MAX_QUERY, Attention, Transformer
+from serving.engine.timing import interleaved_medians
 
 log = logging.getLogger(__name__)
 
@@ -316,17 +316,17 @@ def _check_and_time(model: Transformer, kernel: DecodeAttentionKernel, timed: bo
             worst = max(worst, (got - want).abs().max().item())
         if not timed:
             return worst, None, None
-        gather: list[float] = []
-        through_kernel: list[float] = []
-        for _ in range(_ROUNDS):  # interleaved, so a busy moment of a shared machine weighs on both alike
-            for chosen, times in ((None, gather), (kernel, through_kernel)):
-                attention.decode_kernel = chosen
-                start = time.perf_counter()
-                for _ in range(_CALLS):
-                    for batch, q in zip(batches, queries, strict=False):  # the decode groups
-                        _attend(attention, q, batch, cache)
-                times.append((time.perf_counter() - start) / _CALLS)
-        return worst, statistics.median(gather), statistics.median(through_kernel)
+        def decode_groups(through: DecodeAttentionKernel | None) -> float:
+            attention.decode_kernel = through
+            start = time.perf_counter()
+            for _ in range(_CALLS):
+                for batch, q in zip(batches, queries, strict=False):  # the decode groups
+                    _attend(attention, q, batch, cache)
+            return (time.perf_counter() - start) / _CALLS
+
+        gather_s, kernel_s = interleaved_medians([lambda: decode_groups(None), lambda: decode_groups(kernel)],
+                                                 _ROUNDS)
+        return worst, gather_s, kernel_s
     finally:
         attention.decode_kernel = previous
 

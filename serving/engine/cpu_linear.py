@@ -31,8 +31,6 @@ bench run (docs/engine.md).
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +38,7 @@ from torch import nn
 
 from serving.config import WeightPacking
 from serving.engine.model import Transformer
-from serving.engine.timing import forward_seconds
+from serving.engine.timing import forward_seconds, interleaved_medians
 
 log = logging.getLogger(__name__)
 
@@ -137,17 +135,15 @@ def choose(model: Transformer, name: str, mode: WeightPacking, reason_not: str |
     forward_seconds(model, context, 1, repeats=3)  # warm-up, dense
     dense_modules = pack(model)
     forward_seconds(model, context, 1, repeats=3)  # warm-up, packed (oneDNN makes its primitive once)
-    dense: list[float] = []
-    packed: list[float] = []
-    started = time.perf_counter()
-    for i in range(_ROUNDS):  # interleaved, so a busy moment of a shared machine weighs on both alike
-        packed.append(forward_seconds(model, context, 1, repeats=5))
+    def dense_step() -> float:  # the dense weights in for one timing, then the packed ones back
+        nonlocal dense_modules
         packed_modules = _swap(dense_modules)
-        dense.append(forward_seconds(model, context, 1, repeats=5))
+        seconds = forward_seconds(model, context, 1, repeats=5)
         dense_modules = _swap(packed_modules)
-        if i + 1 >= _MIN_ROUNDS and time.perf_counter() - started > _BUDGET_S:
-            break
-    d, p = statistics.median(dense), statistics.median(packed)
+        return seconds
+
+    p, d = interleaved_medians([lambda: forward_seconds(model, context, 1, repeats=5), dense_step], _ROUNDS,
+                               _MIN_ROUNDS, _BUDGET_S)
     keep = p <= d * _TOLERANCE
     if not keep:
         _swap(dense_modules)

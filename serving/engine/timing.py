@@ -2,18 +2,36 @@
 
 Used where a choice is measured rather than assumed: the speculative bench's ceiling, the draft's cost per
 token, and whether a model's matmul weights are packed for oneDNN on CPU (serving.engine.cpu_linear).
+`interleaved_medians` is how every start-up choice times its alternatives (weight packing, the draft rollout,
+the CPU attention kernel).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable, Sequence
 
 import torch
 
 from serving.engine.batch import SequenceInput, build_forward_batch
 from serving.engine.kv_cache import BlockManager, KVCache
 from serving.engine.model import Transformer
+
+
+def interleaved_medians(variants: Sequence[Callable[[], float]], rounds: int, min_rounds: int | None = None,
+                        budget_s: float | None = None) -> list[float]:
+    """The median of each variant's seconds (each call returns what it measured) over rounds that call every
+    variant once, in turn, so that a busy moment of a shared machine weighs on all alike. With budget_s, no
+    further round starts once min_rounds are done and that many seconds have passed (large models)."""
+    times: list[list[float]] = [[] for _ in variants]
+    started = time.perf_counter()
+    for i in range(rounds):
+        for variant, taken in zip(variants, times, strict=True):
+            taken.append(variant())
+        if budget_s is not None and i + 1 >= (min_rounds or 1) and time.perf_counter() - started > budget_s:
+            break
+    return [statistics.median(taken) for taken in times]
 
 
 @torch.inference_mode()

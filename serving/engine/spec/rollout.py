@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -52,7 +51,7 @@ from serving.engine.cpu_linear import PackedLinear
 from serving.engine.model import Transformer, TransformerBlock
 from serving.engine.rope import apply_rope
 from serving.engine.spec.policy import LinearCost
-from serving.engine.timing import forward_seconds
+from serving.engine.timing import forward_seconds, interleaved_medians
 
 log = logging.getLogger(__name__)
 
@@ -185,15 +184,16 @@ class DraftRollout:
         """Seconds of one compiled rollout and of its steps as eager forwards (one sequence, _CONTEXT cached
         tokens), medians of interleaved rounds; seeds the cost models."""
         one = self.inputs(1, _CONTEXT)
-        rolled, stepped = [], []
         self(one)
         forward_seconds(self.model, _CONTEXT, 1, repeats=3)
-        for _ in range(_ROUNDS):
+
+        def rolled() -> float:
             start = time.perf_counter()
             self(one)[0].tolist()
-            rolled.append(time.perf_counter() - start)
-            stepped.append(forward_seconds(self.model, _CONTEXT, 1, repeats=3))
-        rollout_s, forward_s = statistics.median(rolled), statistics.median(stepped)
+            return time.perf_counter() - start
+
+        rollout_s, forward_s = interleaved_medians(
+            [rolled, lambda: forward_seconds(self.model, _CONTEXT, 1, repeats=3)], _ROUNDS)
         self.rollout_cost = LinearCost(intercept=rollout_s, slope=0.0)
         # a catch-up forward feeds 1-2 tokens: the slope from a 2-token forward, the line through the 1-token one
         slope = min(max(forward_seconds(self.model, _CONTEXT, 2, repeats=3) - forward_s, 0.0), forward_s)
