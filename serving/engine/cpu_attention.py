@@ -7,8 +7,8 @@ most: decode steps, and verify steps of up to 2 drafts) a small C++ kernel, `csr
 reads each sequence's keys and values where they sit in the block pool instead: one pass for the scores of all
 query rows, one for the values. Measured through the model's own attention on the demo target (4 KV heads x 2,
 head dim 32, 16-token blocks, a KV cache larger than the CPU's caches, one thread), the kernel's time as a share
-of gather + SDPA's: 0.48-0.51 for decode groups of 1-64 sequences, 0.65-0.82 at 2 query tokens, 0.75-0.79 at 3,
-0.85-1.13 at 4, 0.97-1.03 at 5, 1.2-1.7 at 9 (docs/engine.md). Longer queries keep gather + SDPA, whose
+of gather + SDPA's: 0.43-0.67 for decode groups of 1-64 sequences, 0.49-0.82 at 2 query tokens, 0.75-0.96 at 3,
+0.84-1.13 at 4, 0.97-1.03 at 5, 1.24-2.38 at 9 (docs/engine.md). Longer queries keep gather + SDPA, whose
 matrix products win there.
 
 Built at start-up with the host's C++ compiler (`-O3 -march=native`, half a second) into a cache directory,
@@ -103,15 +103,19 @@ def cache_dir() -> Path:
     return Path(base) / "specdeploy" / "kernels"
 
 
-def _cpu_identity() -> str:
-    """What -march=native compiles for: the CPU's model and feature flags (a cache shared by several hosts must
-    not hand one CPU's build to another)."""
+def _cpuinfo(*keys: str) -> list[str]:
+    """The distinct /proc/cpuinfo lines of these keys (empty where there is no /proc/cpuinfo)."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return platform.processor() or platform.machine()
-    keep = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features"))]
-    return "\n".join(sorted(set(keep)))
+        return []
+    return sorted({line for line in info.splitlines() if line.startswith(keys)})
+
+
+def _cpu_identity() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags (a cache shared by several hosts must
+    not hand one CPU's build to another)."""
+    return "\n".join(_cpuinfo("model name", "flags", "Features")) or platform.processor() or platform.machine()
 
 
 def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> None:
@@ -182,14 +186,9 @@ def prebuild(directory: Path) -> list[Path]:
 
 
 def _cpu_flags() -> set[str]:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in info.splitlines():
-        if line.startswith(("flags", "Features")):
-            return set(line.split(":", 1)[1].split())
-    return set()
+    """Features every core lists (x86 `flags`, ARM `Features`)."""
+    lines = [set(line.split(":", 1)[1].split()) for line in _cpuinfo("flags", "Features")]
+    return set.intersection(*lines) if lines else set()
 
 
 def find_prebuilt(directory: Path | None = None) -> tuple[Path, str] | None:
@@ -246,14 +245,15 @@ class DecodeAttentionKernel:
 
 @cache
 def load() -> DecodeAttentionKernel:
-    """The kernel for this process, loaded once: built for this CPU where a compiler is on PATH, else the best
-    portable build shipped beside the source; raises KernelUnavailable with the reason."""
-    if find_compiler() is not None:
+    """The kernel for this process, loaded once: built for this CPU where a compiler is on PATH and the build
+    succeeds, else the best portable build shipped beside the source; raises KernelUnavailable with the
+    reasons."""
+    try:
         return DecodeAttentionKernel(build())
-    found = find_prebuilt()
-    if found is None:
-        raise KernelUnavailable(f"no C++ compiler on PATH (looked for {', '.join(COMPILERS)}) and no prebuilt "
-                                f"kernel for this CPU in {PREBUILT_DIR}")
+    except KernelUnavailable as e:
+        found = find_prebuilt()
+        if found is None:
+            raise KernelUnavailable(f"{e}, and no prebuilt kernel for this CPU in {PREBUILT_DIR}") from e
     path, name = found
     return DecodeAttentionKernel(path, f"prebuilt {name}")
 

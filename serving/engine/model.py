@@ -24,7 +24,7 @@ from serving.engine.rope import apply_rope, build_rope_cache, compute_inv_freq
 # CPU: groups whose queries are at most this long (decode, and verify steps of up to 2 drafts) attend through the
 # kernel that reads the paged cache in place (serving.engine.cpu_attention). Longer ones (longer verify steps,
 # prefill chunks) gather for SDPA, whose matrix products win there: measured on the demo target, the kernel took
-# 0.48-0.82 of gather + SDPA's time at 1-3 query tokens, 0.85-1.13 at 4, 0.97-1.03 at 5 and 1.2-1.7 at 9
+# 0.43-0.96 of gather + SDPA's time at 1-3 query tokens, 0.84-1.13 at 4, 0.97-1.03 at 5 and 1.24-2.38 at 9
 KERNEL_MAX_QUERY = 3
 
 SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}

@@ -13,7 +13,7 @@ from serving.engine.spec.proposer import Proposals
 
 
 class NgramProposer:
-    uses_model = False  # a lookup in the sequence's own tokens: drafting is free
+    uses_model = False  # a lookup in the sequence's own tokens: no model forward
 
     def __init__(self, n_min: int = 1, n_max: int = 4) -> None:
         self.n_min, self.n_max = n_min, n_max
@@ -23,8 +23,7 @@ class NgramProposer:
 
         Every earlier occurrence of the last token is a 1-token match ending there; a longer match is one of
         those whose preceding tokens agree too, so one vector comparison finds the candidates and each longer n
-        only filters them (~4x faster than comparing every window for every n, which at 64 sequences was
-        1.9 ms a step)."""
+        only filters them: 9 us for a 220-token request, where comparing every window for every n took 40."""
         if k <= 0 or len(token_ids) < self.n_min + 1:
             return []
         tokens = np.asarray(token_ids, dtype=np.int64)
@@ -57,7 +56,7 @@ class NgramProposer:
         pass  # nothing cached past the sequence's tokens
 
     def fixed_draft_seconds(self, req: Request) -> float | None:
-        return None  # drafting is free: there is no draft forward to price
+        return None  # there is no draft forward to price
 
     def release(self, req_id: str) -> None:
         pass

@@ -338,3 +338,22 @@ def test_the_fastpath_benchmark_times_the_kernel_against_the_gather_path() -> No
         gather_ms, kernel_ms, ratio, diff = (float(c) for c in cells[3:])
         assert gather_ms >= 0 and kernel_ms >= 0 and ratio > 0  # printed rounded: microseconds at this size
         assert diff < 1e-4
+
+
+@portable
+def test_a_failed_build_falls_back_to_the_prebuilt_kernel(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    prebuilt = tmp_path / "prebuilt"
+    cpu_attention.prebuild(prebuilt)  # with the real compiler
+    monkeypatch.setattr(cpu_attention, "PREBUILT_DIR", prebuilt)
+    monkeypatch.setenv(cpu_attention.CACHE_ENV, str(tmp_path / "cache"))
+    _fake_compiler(tmp_path / "bin", 'echo "internal compiler error" >&2; exit 4')
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    cpu_attention.load.cache_clear()
+    try:
+        assert cpu_attention.load().origin.startswith("prebuilt ")
+        cpu_attention.load.cache_clear()
+        monkeypatch.setattr(cpu_attention, "PREBUILT_DIR", tmp_path / "none")
+        with pytest.raises(KernelUnavailable, match="internal compiler error.*, and no prebuilt kernel"):
+            cpu_attention.load()
+    finally:
+        cpu_attention.load.cache_clear()
