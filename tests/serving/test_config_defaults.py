@@ -30,3 +30,36 @@ def test_engine_bounds_are_the_server_configs() -> None:
     with pytest.raises(ValidationError, match="max_num_batched_tokens \\(16\\) is below max_num_seqs \\(64\\)"):
         EngineConfig(model="/m", max_num_batched_tokens=16)
 
+
+
+@pytest.mark.parametrize("section, key, flag", [
+    ("model", "cpu_weight_packing", "_PACKING_ARG"),
+    ("model", "cpu_decode_attention", "_ATTENTION_ARG"),
+    ("speculative", "draft_rollout", None),
+])
+def test_start_up_choice_keys_reach_the_engine_and_bad_values_are_refused(section: str, key: str,
+                                                                          flag: str | None) -> None:
+    """The keys the engine measures at start-up (auto | on | off): a server value reaches the engine, the default
+    is auto, anything else is refused by name, and a bench flag for it spells the same choices."""
+    from typing import get_args
+
+    from infra.ops.cli import bench_cmd
+
+    extra = {"enabled": True, "method": "draft", "draft_model": "/d"} if section == "speculative" else {}
+
+    def server(value: str | None) -> ServerConfig:
+        data: dict[str, object] = {"model": {"path": "/m"}}
+        if value is not None or extra:
+            entries = {**extra, **({key: value} if value is not None else {})}
+            data[section] = {**data.get(section, {}), **entries}  # type: ignore[dict-item]
+        return ServerConfig.model_validate(data)
+
+    assert getattr(getattr(server(None), section), key) == "auto"
+    engine = EngineConfig.from_server_config(server("off"))
+    assert getattr(engine.speculative if section == "speculative" else engine, key) == "off"
+    with pytest.raises(ValidationError, match=key):
+        server("sometimes")
+    field = (SpeculativeSection if section == "speculative" else ModelSection).model_fields[key]
+    assert get_args(field.annotation) == ("auto", "on", "off")
+    if flag is not None:
+        assert tuple(getattr(bench_cmd, flag)["choices"]) == ("auto", "on", "off")

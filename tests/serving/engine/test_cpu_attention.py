@@ -241,22 +241,6 @@ def test_an_unwritable_cache_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path:
         build(blocked / "kernels")
 
 
-def test_the_server_config_key_reaches_the_engine_and_bad_values_are_refused() -> None:
-    from typing import get_args
-
-    from pydantic import ValidationError
-
-    from infra.ops.cli.bench_cmd import _ATTENTION_ARG
-    from serving.config import DecodeAttentionMode, ServerConfig
-    from serving.engine.config import EngineConfig
-
-    config = ServerConfig.model_validate({"model": {"path": "/m", "cpu_decode_attention": "off"}})
-    assert EngineConfig.from_server_config(config).cpu_decode_attention == "off"
-    assert ServerConfig.model_validate({"model": {"path": "/m"}}).model.cpu_decode_attention == "auto"
-    with pytest.raises(ValidationError, match="cpu_decode_attention"):
-        ServerConfig.model_validate({"model": {"path": "/m", "cpu_decode_attention": "kernel"}})
-    assert tuple(_ATTENTION_ARG["choices"]) == get_args(DecodeAttentionMode)
-
 
 portable = pytest.mark.skipif(platform.machine() not in cpu_attention.PORTABLE,
                               reason=f"no portable build is defined for {platform.machine()}")

@@ -111,26 +111,6 @@ def test_compiling_an_engine_with_packed_weights_is_refused_by_name(kit: Any, ll
         engine.compile_steps(measure=False)
 
 
-def test_the_server_config_key_reaches_the_engine_and_bad_values_are_refused() -> None:
-    from pydantic import ValidationError
-
-    from serving.config import ServerConfig
-    from serving.engine.config import EngineConfig
-
-    config = ServerConfig.model_validate({"model": {"path": "/m", "cpu_weight_packing": "off"}})
-    assert EngineConfig.from_server_config(config).cpu_weight_packing == "off"
-    assert ServerConfig.model_validate({"model": {"path": "/m"}}).model.cpu_weight_packing == "auto"
-    with pytest.raises(ValidationError, match="cpu_weight_packing"):
-        ServerConfig.model_validate({"model": {"path": "/m", "cpu_weight_packing": "yes"}})
-    # the benches' --cpu-weight-packing spells the same choices without importing the config at start-up
-    from typing import get_args
-
-    from infra.ops.cli.bench_cmd import _PACKING_ARG
-    from serving.config import WeightPacking
-
-    assert tuple(_PACKING_ARG["choices"]) == get_args(WeightPacking)
-
-
 def test_weight_bytes_count_packed_weights(kit: Any, llama_dir: Path) -> None:
     from serving.engine.quant import weight_bytes
 

@@ -287,20 +287,6 @@ def test_a_failed_compile_is_refused_by_name_when_on_and_reported_when_auto(
     assert rollout is None and not decision.enabled and "cc1plus killed" in decision.reason
 
 
-def test_the_config_key_reaches_the_engine_and_bad_values_are_refused() -> None:
-    from pydantic import ValidationError
-
-    from serving.config import ServerConfig
-    from serving.engine.config import EngineConfig
-
-    spec = {"enabled": True, "method": "draft", "draft_model": "/d", "draft_rollout": "off"}
-    config = ServerConfig.model_validate({"model": {"path": "/m"}, "speculative": spec})
-    assert EngineConfig.from_server_config(config).speculative.draft_rollout == "off"
-    assert ServerConfig.model_validate({"model": {"path": "/m"}}).speculative.draft_rollout == "auto"
-    with pytest.raises(ValidationError, match="draft_rollout"):
-        ServerConfig.model_validate({"model": {"path": "/m"}, "speculative": {**spec, "draft_rollout": "yes"}})
-
-
 @needs_compiler
 def test_the_adaptive_policy_is_told_a_lone_sequences_drafts_cost_one_rollout(
     kit: Any, llama_dir: Path, monkeypatch: pytest.MonkeyPatch
