@@ -1,15 +1,15 @@
-"""Decode and short verify attention read in place from the paged KV cache on CPU (`model.cpu_decode_attention`).
+"""Decode and verify attention read in place from the paged KV cache on CPU (`model.cpu_decode_attention`).
 
 The CPU attention path gathers a group's context blocks into one `[G, Hkv, K, D]` tensor and runs SDPA on the
 copy: every key and value is read, written, and read again. At 32 decoding sequences that was half of the demo
-target's step (4.6 of 9.3 ms). For groups of short queries (`model.KERNEL_MAX_QUERY` = 3 tokens per sequence at
-most: decode steps, and verify steps of up to 2 drafts) a small C++ kernel, `csrc/cpu_decode_attention.cpp`,
-reads each sequence's keys and values where they sit in the block pool instead: one pass for the scores of all
-query rows, one for the values. Measured through the model's own attention on the demo target (4 KV heads x 2,
-head dim 32, 16-token blocks, a KV cache larger than the CPU's caches, one thread), the kernel's time as a share
-of gather + SDPA's: 0.43-0.67 for decode groups of 1-64 sequences, 0.49-0.82 at 2 query tokens, 0.75-0.96 at 3,
-0.84-1.13 at 4, 0.97-1.03 at 5, 1.24-2.38 at 9 (docs/engine.md). Longer queries keep gather + SDPA, whose
-matrix products win there.
+target's step (4.6 of 9.3 ms). For groups of queries up to `model.KERNEL_MAX_QUERY` = 16 tokens per sequence
+(decode steps, and verify steps of up to 15 drafts) a small C++ kernel, `csrc/cpu_decode_attention.cpp`, reads
+each sequence's keys and values where they sit in the block pool instead: one pass for the scores of all query
+rows, one for the values; from 4 query tokens on, a tiled walk one KV head at a time (AVX2, head dim a multiple
+of 32). Measured through the model's own attention on the demo target (4 KV heads x 2, head dim 32, 16-token
+blocks, a KV cache larger than the CPU's caches, one thread), the kernel's time as a share of gather + SDPA's:
+0.30-0.47 for decode groups of 1-64 sequences, 0.50-0.74 at 3-9 query tokens of one sequence, 0.85-0.87 at
+13-16, and 0.54-0.92 at 3-16 tokens of 16 sequences (docs/engine.md). Prefill chunks keep gather + SDPA.
 
 Built at start-up with the host's C++ compiler (`-O3 -march=native`, half a second) into a cache directory,
 keyed by the source, the flags, the compiler and the CPU, and loaded with ctypes: a plain C ABI, no torch
@@ -81,7 +81,7 @@ class KernelUnavailable(RuntimeError):
 @dataclass
 class AttentionDecision:
     model: str  # "target" or "draft"
-    kernel: bool  # decode and short verify groups attend through the kernel
+    kernel: bool  # decode and verify groups attend through the kernel
     reason: str  # why (measured times, or why it does not apply)
     gather_ms: float | None = None  # the timed decode groups through gather + SDPA, median of the rounds (auto)
     kernel_ms: float | None = None
@@ -332,7 +332,7 @@ def _check_and_time(model: Transformer, kernel: DecodeAttentionKernel, timed: bo
 
 
 def choose(model: Transformer, name: str, mode: DecodeAttentionMode, reason_not: str | None) -> AttentionDecision:
-    """Attend decode and short verify groups through the kernel or not, as `mode` says (see the module docstring);
+    """Attend decode and verify groups through the kernel or not, as `mode` says (see the module docstring);
     sets it on the model and returns the decision. `on` where it cannot apply raises ValueError naming why."""
     if mode == "off":
         return AttentionDecision(name, False, "model.cpu_decode_attention is off")

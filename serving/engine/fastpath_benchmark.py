@@ -3,7 +3,7 @@
 - attention of one group: gather + SDPA (the CPU path) vs FlexAttention straight from the paged cache
   (the CUDA path), with the largest absolute difference of their outputs;
 - step metadata: a ForwardBatchBuilder kept across steps vs a new one per step;
-- CPU decode and short verify attention: the model's attention over an 8-layer cache larger than the CPU's
+- CPU decode and verify attention: the model's attention over an 8-layer cache larger than the CPU's
   caches, gather + SDPA vs the C++ kernel reading the paged cache in place (serving.engine.cpu_attention),
   per group shape, with the largest difference of their outputs.
 
@@ -32,9 +32,10 @@ from serving.engine.paged_attention import paged_attention, paged_block_mask
 
 _KV_HEADS, _N_REP, _HEAD_DIM, _BLOCK, _NUM_BLOCKS = 4, 2, 32, 16, 512  # the demo target's attention shape
 ATTENTION_CASES = ((1, 200, 1), (8, 200, 1), (16, 100, 1), (4, 200, 5))  # (sequences, context, queries)
-# (sequences, context, query tokens): decode, the verify steps the kernel takes, and two it leaves to SDPA
-KERNEL_CASES = ((1, 256, 1), (1, 256, 3), (1, 256, 9), (4, 256, 3), (16, 256, 1), (16, 256, 3), (16, 256, 5),
-                (32, 200, 1), (64, 200, 1), (64, 200, 2))
+# (sequences, context, query tokens): decode, and verify steps through the decode walk (<= 3 tokens) and the tiled
+# one (>= 4 tokens, up to model.KERNEL_MAX_QUERY)
+KERNEL_CASES = ((1, 256, 1), (1, 256, 3), (1, 256, 9), (1, 256, 16), (4, 256, 3), (4, 256, 9), (16, 256, 1),
+                (16, 256, 3), (16, 256, 5), (16, 256, 9), (32, 200, 1), (64, 200, 1), (64, 200, 2))
 _KERNEL_LAYERS, _KERNEL_BLOCKS = 8, 4096  # 128 MiB of K and V: the cache does not sit in the CPU's caches
 
 

@@ -21,11 +21,11 @@ from serving.engine.kv_cache import KVCache
 from serving.engine.paged_attention import CapturedDecode, paged_attention, paged_block_mask
 from serving.engine.rope import apply_rope, build_rope_cache, compute_inv_freq
 
-# CPU: groups whose queries are at most this long (decode, and verify steps of up to 2 drafts) attend through the
-# kernel that reads the paged cache in place (serving.engine.cpu_attention). Longer ones (longer verify steps,
-# prefill chunks) gather for SDPA, whose matrix products win there: measured on the demo target, the kernel took
-# 0.43-0.96 of gather + SDPA's time at 1-3 query tokens, 0.84-1.13 at 4, 0.97-1.03 at 5 and 1.24-2.38 at 9
-KERNEL_MAX_QUERY = 3
+# CPU: groups whose queries are at most this long (decode, and verify steps of up to 15 drafts) attend through the
+# kernel that reads the paged cache in place (serving.engine.cpu_attention). Longer ones (prefill chunks) gather
+# for SDPA. Measured on the demo target (docs/engine.md), the kernel took 0.30-0.42 of gather + SDPA's time for
+# decode, 0.50-0.73 at 3-9 query tokens of one sequence, 0.76-0.92 at 9-16 tokens of 16 sequences
+KERNEL_MAX_QUERY = 16
 
 SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 
@@ -277,7 +277,7 @@ class Transformer(nn.Module):
             layer.attention.paged = on
 
     def set_decode_kernel(self, kernel: Callable[..., torch.Tensor] | None) -> None:
-        """CPU: attend decode and short verify groups through `kernel` (serving.engine.cpu_attention), or gather +
+        """CPU: attend decode and verify groups through `kernel` (serving.engine.cpu_attention), or gather +
         SDPA (None)."""
         for layer in self.layers:
             assert isinstance(layer, TransformerBlock)

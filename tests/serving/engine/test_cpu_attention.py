@@ -51,17 +51,20 @@ def reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
 @pytest.mark.parametrize("head_dim, n_kv_heads, n_rep", [(32, 4, 2), (64, 2, 4), (128, 1, 8), (32, 2, 1), (16, 2, 2),
                                                          (48, 3, 2)])
 @pytest.mark.parametrize("block_size", [8, 16])
-@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("tokens", [1, 3, 4, 9, 16])
 def test_the_kernel_equals_gathered_sdpa(kernels: dict[str, DecodeAttentionKernel], path: str, head_dim: int,
                                          n_kv_heads: int, n_rep: int, block_size: int, tokens: int) -> None:
     """Lengths from one key to several blocks, partial last blocks, a block shared by two sequences (prefix
     caching), the query rows and block tables strided views of larger tensors (as the engine passes them); with
-    3 query tokens (a verify step), causal, and one sequence whose last query token is padding."""
+    several query tokens (verify steps: 3 and fewer take the decode walk, 4 and more the tiled one where the head
+    dim is a multiple of 32), causal, and one sequence whose last query token is padding."""
     g = torch.Generator().manual_seed(head_dim * 100 + n_rep * 10 + block_size + tokens)
-    num_blocks = 64
+    num_blocks = 96
     k_pool = torch.randn(num_blocks, block_size, n_kv_heads, head_dim, generator=g)
     v_pool = torch.randn(num_blocks, block_size, n_kv_heads, head_dim, generator=g)
     lens = torch.tensor([3, 7, block_size, 3 * block_size + 5, 70])
+    if tokens > 1:  # a verify step's sequence holds at least its query tokens; one holds nothing else
+        lens = torch.maximum(lens, torch.tensor(tokens))
     q_start = lens - tokens
     if tokens > 1:
         q_start[2] += 1  # its last query slot is padding (a shorter query in the group): sees every key
