@@ -196,7 +196,8 @@ class LLMEngine:
         proposer = self.speculator.proposer if self.speculator is not None else None
         if isinstance(proposer, DraftModelProposer):
             spec = self.config.speculative
-            self.draft_rollout = proposer.prepare_rollout(spec.draft_rollout, spec.num_draft_tokens)
+            self.draft_rollout = proposer.prepare_rollout(spec.draft_rollout, spec.num_draft_tokens,
+                                                          spec.draft_rollout_wrapper)
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes, if any (the engine runs no step after this)."""

@@ -32,6 +32,25 @@ def test_engine_bounds_are_the_server_configs() -> None:
 
 
 
+def test_the_rollout_wrapper_reaches_the_engine_and_the_bench_flag_spells_its_choices() -> None:
+    from typing import get_args
+
+    from infra.ops.cli.main import build_parser
+    from serving.config import RolloutWrapper
+
+    base = {"model": {"path": "/m"}, "speculative": {"enabled": True, "method": "draft", "draft_model": "/d"}}
+    assert ServerConfig.model_validate(base).speculative.draft_rollout_wrapper == "cpp"
+    chosen = {**base, "speculative": {**base["speculative"], "draft_rollout_wrapper": "python"}}
+    assert EngineConfig.from_server_config(ServerConfig.model_validate(chosen)).speculative.draft_rollout_wrapper \
+        == "python"
+    with pytest.raises(ValidationError, match="draft_rollout_wrapper"):
+        ServerConfig.model_validate({**base, "speculative": {**base["speculative"], "draft_rollout_wrapper": "c"}})
+    args = build_parser().parse_args(["bench", "spec", "--draft-rollout-wrapper", "python"])
+    assert args.draft_rollout_wrapper == "python" and set(get_args(RolloutWrapper)) == {"cpp", "python"}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "spec", "--draft-rollout-wrapper", "c"])
+
+
 @pytest.mark.parametrize("section, key, flag", [
     ("model", "cpu_weight_packing", "_PACKING_ARG"),
     ("model", "cpu_decode_attention", "_ATTENTION_ARG"),

@@ -89,6 +89,9 @@ def register(subparsers: Any) -> None:
     spec.add_argument("--draft-rollout", choices=("auto", "on", "off"), default="auto",
                       help="speculative.draft_rollout of the draft engine (auto: the draft's catch-up and drafts as "
                            "one compiled graph on CPU where the start-up measurement finds it faster)")
+    spec.add_argument("--draft-rollout-wrapper", choices=("cpp", "python"), default="cpp",
+                      help="speculative.draft_rollout_wrapper: what calls the rollout's compiled kernels (cpp: "
+                           "inductor's C++ wrapper, ~40 s to compile the first time on a host; python: ~4 s)")
     spec.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                       help="model.compile for every engine measured (on: the target's and the draft's small steps "
                            "compiled on CPU too, each bucket kept only where it beat eager at warm-up)")
@@ -230,7 +233,7 @@ def _bench_spec(args: argparse.Namespace) -> int:
                                 args.threads, baselines=not args.no_baselines, repeats=max(args.repeats, 1),
                                 compile_mode=args.compile, adaptive=not args.no_adaptive, dtype=args.dtype,
                                 weight_packing=args.cpu_weight_packing, draft_rollout=args.draft_rollout,
-                                decode_attention=args.cpu_decode_attention)
+                                rollout_wrapper=args.draft_rollout_wrapper, decode_attention=args.cpu_decode_attention)
     text = json.dumps(report.to_dict(), indent=2)
     sys.stdout.write(text + "\n")
     if args.json_out:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from serving.config import DecodeAttentionMode, DraftRolloutMode, WeightPacking
+from serving.config import DecodeAttentionMode, DraftRolloutMode, RolloutWrapper, WeightPacking
 from serving.engine.batch import SequenceInput, build_forward_batch
 from serving.engine.config import CompileMode, DType, EngineConfig, SpeculativeConfig
 from serving.engine.engine import LLMEngine
@@ -282,6 +282,7 @@ def run_spec_benchmark(
     dtype: DType = "auto",
     weight_packing: WeightPacking = "auto",
     draft_rollout: DraftRolloutMode = "auto",
+    rollout_wrapper: RolloutWrapper = "cpp",
     decode_attention: DecodeAttentionMode = "auto",
 ) -> SpecBenchReport:
     torch.set_num_threads(threads)
@@ -290,7 +291,8 @@ def run_spec_benchmark(
     off = make_engine(target, SpeculativeConfig(enabled=False), *engine_args)
     on_draft = make_engine(target, SpeculativeConfig(enabled=True, method="draft", draft_model=str(draft),
                                                      num_draft_tokens=k, adaptive=adaptive,
-                                                     draft_rollout=draft_rollout), *engine_args)
+                                                     draft_rollout=draft_rollout,
+                                                     draft_rollout_wrapper=rollout_wrapper), *engine_args)
     on_ngram = make_engine(target, SpeculativeConfig(enabled=True, method="ngram", num_draft_tokens=k,
                                                      adaptive=adaptive), *engine_args)
     if off.tokenizer is None:

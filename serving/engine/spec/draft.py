@@ -103,9 +103,9 @@ class DraftModelProposer:
                                         max_decode_rows=max_rows, backend=backend)
         self.compiled.warm_up(self.cache, self.builder, measure)
 
-    def prepare_rollout(self, mode: str, num_draft_tokens: int) -> RolloutDecision:
+    def prepare_rollout(self, mode: str, num_draft_tokens: int, wrapper: str = "cpp") -> RolloutDecision:
         """speculative.draft_rollout: compile (and in auto, measure) the rollout at start-up, before any request."""
-        self.rollout, decision = prepare(self.model, mode, num_draft_tokens)  # type: ignore[arg-type]
+        self.rollout, decision = prepare(self.model, mode, num_draft_tokens, wrapper)  # type: ignore[arg-type]
         return decision
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from serving.config import DraftRolloutMode
+from serving.config import DraftRolloutMode, RolloutWrapper
 from serving.engine.cpu_linear import PackedLinear
 from serving.engine.model import Transformer, TransformerBlock
 from serving.engine.rope import apply_rope
@@ -73,6 +73,7 @@ class RolloutDecision:
     compile_s: float | None = None  # compiling both graphs at start-up
     eager_ms: float | None = None  # the same steps as eager forwards through the engine's path, one sequence
     rollout_ms: float | None = None  # one compiled rollout, one sequence
+    wrapper: str | None = None  # speculative.draft_rollout_wrapper, where it was compiled
 
 
 def unsupported_reason(model: Transformer, num_draft_tokens: int) -> str | None:
@@ -145,11 +146,14 @@ class DraftRollout:
     Also keeps the two cost models that decide, call by call, whether rolling out is cheaper than the
     step-by-step forwards: seconds per rollout, and seconds per eager forward by tokens."""
 
-    def __init__(self, model: Transformer, num_draft_tokens: int) -> None:
+    def __init__(self, model: Transformer, num_draft_tokens: int, wrapper: RolloutWrapper = "python") -> None:
         self.model = model
         self.steps = num_draft_tokens + MAX_LAG - 1
         self.always = False  # `on`: roll out wherever it applies, without weighing the costs
-        self._graph = torch.compile(rollout_graph, fullgraph=True)
+        self.wrapper = wrapper
+        # cpp: inductor writes the code that calls the graph's ~200 kernels in C++ rather than Python, which took
+        # a third of a rollout (speculative.draft_rollout_wrapper; docs/engine.md)
+        self._graph = torch.compile(rollout_graph, fullgraph=True, options={"cpp_wrapper": wrapper == "cpp"})
         self.rollout_cost = LinearCost(intercept=1e-3, slope=0.0)  # seconds per rollout (x: sequences, always 1)
         self.eager_cost = LinearCost(intercept=3e-4, slope=5e-5)  # seconds per eager draft forward, x = tokens
 
@@ -206,7 +210,7 @@ class DraftRollout:
         return self.always or self.rollout_cost(1) < sum(self.eager_cost(n) for n in forwards)
 
 
-def prepare(model: Transformer, mode: DraftRolloutMode, num_draft_tokens: int
+def prepare(model: Transformer, mode: DraftRolloutMode, num_draft_tokens: int, wrapper: RolloutWrapper = "cpp"
             ) -> tuple[DraftRollout | None, RolloutDecision]:
     """speculative.draft_rollout at start-up: compile (and in auto, measure) or say why not."""
     if mode == "off":
@@ -214,22 +218,33 @@ def prepare(model: Transformer, mode: DraftRolloutMode, num_draft_tokens: int
     reason = unsupported_reason(model, num_draft_tokens)
     if reason is not None:
         return None, RolloutDecision(False, reason)
-    rollout = DraftRollout(model, num_draft_tokens)
-    rollout.always = mode == "on"
-    try:
-        compile_s = rollout.compile()
-    except Exception as exc:  # noqa: BLE001 - a compiler or inductor failure: say so, or fail start-up when asked
+    rollout, compile_s, failures = None, 0.0, []
+    for attempt in (wrapper, "python") if wrapper == "cpp" else (wrapper,):
+        rollout = DraftRollout(model, num_draft_tokens, attempt)
+        rollout.always = mode == "on"
+        try:
+            compile_s = rollout.compile()
+            break
+        except Exception as exc:  # noqa: BLE001 - a compiler or inductor failure: say so, or fail start-up when asked
+            failures.append(f"{attempt} wrapper: {type(exc).__name__}: {exc}")
+            log.warning("draft rollout not compiled with the %s wrapper (%s)", attempt, exc)
+            rollout = None
+    if rollout is None:
         if mode == "on":
-            raise RuntimeError(f"speculative.draft_rollout is on but compiling the rollout failed: {exc}") from exc
-        log.warning("draft rollout not compiled (%s); the draft proposes step by step", exc)
-        return None, RolloutDecision(False, f"compiling failed: {type(exc).__name__}: {exc}"[:300])
-    decision = RolloutDecision(True, "speculative.draft_rollout is on", rollout.steps, compile_s)
+            raise RuntimeError(f"speculative.draft_rollout is on but compiling the rollout failed: {failures}")
+        log.warning("the draft proposes step by step")
+        return None, RolloutDecision(False, f"compiling failed: {'; '.join(failures)}"[:300])
+    wrapper = rollout.wrapper
+    decision = RolloutDecision(True, f"speculative.draft_rollout is on ({wrapper} wrapper)", rollout.steps,
+                               compile_s, wrapper=wrapper)
     if mode == "auto":
         rollout_s, eager_s = rollout.measure()
         decision.rollout_ms, decision.eager_ms = rollout_s * 1e3, eager_s * 1e3
         decision.enabled = rollout_s <= _TOLERANCE * eager_s
-        decision.reason = (f"{rollout.steps} steps: compiled rollout {rollout_s * 1e3:.2f} ms, "
+        decision.reason = (f"{rollout.steps} steps: compiled rollout {rollout_s * 1e3:.2f} ms ({wrapper} wrapper), "
                            f"eager forwards {eager_s * 1e3:.2f} ms")
+    if failures:  # the C++ wrapper failed and the Python one compiled
+        decision.reason += f" (the cpp wrapper failed: {failures[0]})"[:300]
     log.info("draft rollout %s (%s; compiled in %.1f s)", "on" if decision.enabled else "off", decision.reason,
              compile_s)
     return (rollout if decision.enabled else None), decision

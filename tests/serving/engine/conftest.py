@@ -83,13 +83,16 @@ def make_engine(model_dir: Path, **overrides: object) -> LLMEngine:
     tp = int(overrides.get("tensor_parallel_size", 1))  # type: ignore[call-overload]
     settings["cpu_decode_attention"] = (kernel_mode() if tp == 1 and overrides.get("device", "cpu") == "cpu"
                                         else "auto")
-    # likewise the draft rollout (compiled at start-up: ~10-60 s a draft engine) unless a test sets it;
-    # tests/serving/engine/spec/test_rollout.py runs it
+    # likewise the draft rollout (compiled at start-up: ~10-60 s a draft engine) unless a test sets it, and
+    # where a test does, its Python wrapper unless the test sets that too (the C++ one adds ~30 s a graph the first
+    # time); tests/serving/engine/spec/test_rollout.py runs both
     spec = overrides.get("speculative")
-    if isinstance(spec, SpeculativeConfig) and "draft_rollout" not in spec.model_fields_set:
-        overrides["speculative"] = spec.model_copy(update={"draft_rollout": "off"})
-    elif isinstance(spec, dict) and "draft_rollout" not in spec:
-        overrides["speculative"] = {**spec, "draft_rollout": "off"}
+    defaults = {"draft_rollout": "off", "draft_rollout_wrapper": "python"}
+    if isinstance(spec, SpeculativeConfig):
+        overrides["speculative"] = spec.model_copy(
+            update={k: v for k, v in defaults.items() if k not in spec.model_fields_set})
+    elif isinstance(spec, dict):
+        overrides["speculative"] = {**defaults, **spec}
     return LLMEngine.from_config(EngineConfig(model=str(model_dir), **{**settings, **overrides}))
 
 

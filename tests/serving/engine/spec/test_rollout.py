@@ -113,12 +113,14 @@ def test_the_rollout_graph_is_the_model_step_by_step(kit: Any, llama_dir: Path) 
 
 
 @needs_compiler
+@pytest.mark.parametrize("wrapper", ["python", "cpp"])
 @torch.inference_mode()
 def test_the_compiled_graph_equals_the_model_for_any_context_length_without_recompiling(
-    kit: Any, llama_dir: Path
+    kit: Any, llama_dir: Path, wrapper: str
 ) -> None:
+    """With either of inductor's wrappers (speculative.draft_rollout_wrapper) calling the compiled kernels."""
     model = kit.PagedRunner(llama_dir).model
-    rollout = DraftRollout(model, num_draft_tokens=3)
+    rollout = DraftRollout(model, num_draft_tokens=3, wrapper=wrapper)  # type: ignore[arg-type]
     rollout.compile()
     for lengths, lags in (([9], [1]), ([40], [2]), ([18], [2]), ([70], [1])):
         prompts = kit.random_prompts(lengths, seed=len(lengths))
@@ -285,6 +287,24 @@ def test_a_failed_compile_is_refused_by_name_when_on_and_reported_when_auto(
         prepare(model, "on", 4)
     rollout, decision = prepare(model, "auto", 4)
     assert rollout is None and not decision.enabled and "cc1plus killed" in decision.reason
+    assert "cpp wrapper" in decision.reason and "python wrapper" in decision.reason  # both were tried
+
+
+@pytest.mark.parametrize("mode", ["on", "auto"])
+def test_a_failed_cpp_wrapper_falls_back_to_the_python_wrapper_and_says_so(
+    kit: Any, llama_dir: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    def cpp_fails(self: DraftRollout) -> float:
+        if self.wrapper == "cpp":
+            raise RuntimeError("cpp_wrapper: undefined reference")
+        return 0.5
+
+    monkeypatch.setattr(rollout_module, "unsupported_reason", lambda model, k: None)
+    monkeypatch.setattr(DraftRollout, "compile", cpp_fails)
+    monkeypatch.setattr(DraftRollout, "measure", lambda self: (1e-3, 2e-3))
+    rollout, decision = prepare(kit.PagedRunner(llama_dir).model, mode, 4, "cpp")  # type: ignore[arg-type]
+    assert rollout is not None and rollout.wrapper == "python" and decision.wrapper == "python"
+    assert decision.enabled and "python wrapper" in decision.reason and "undefined reference" in decision.reason
 
 
 @needs_compiler
