@@ -73,24 +73,33 @@ class ForwardBatch:
         return int(self.input_ids.shape[0])
 
 
-def group_sequences(q_lens: list[int], ctx_lens: list[int]) -> list[list[int]]:
-    """Partition sequence indices into attention groups, longest queries first."""
+def group_sequences(q_lens: list[int], ctx_lens: list[int], in_place_max_q: int = 0) -> list[list[int]]:
+    """Partition sequence indices into attention groups, longest queries first.
+
+    Groups whose queries are at most in_place_max_q tokens are read in place from the cache (the CPU attention
+    kernel: each sequence over its own length, nothing gathered), so only query padding counts against them
+    and their size is not capped: at 64 decoding sequences the key cap cut one kernel call per layer into ten,
+    each with its own fixed cost."""
     order = sorted(range(len(q_lens)), key=lambda i: (-q_lens[i], -ctx_lens[i]))
     groups: list[list[int]] = []
     current: list[int] = []
-    real = padded_q = padded_ctx = 0
+    real = padded_q = padded_ctx = ctx_sum = 0
     for i in order:
         if current:
             new_real = real + q_lens[i] * ctx_lens[i]
             # queries are sorted longest first, so max_q stays; the context may grow
-            new_keys = (len(current) + 1) * max(padded_ctx, ctx_lens[i])
-            new_padded = new_keys * padded_q
+            if padded_q <= in_place_max_q:  # work is each sequence's own context x the group's longest query
+                new_keys, new_padded = 0, padded_q * (ctx_sum + ctx_lens[i])
+            else:
+                new_keys = (len(current) + 1) * max(padded_ctx, ctx_lens[i])
+                new_padded = new_keys * padded_q
             if new_padded <= _GROUP_PADDING_SLACK * new_real + 64 * padded_q and new_keys <= MAX_GROUP_KEYS:
                 current.append(i)
-                real, padded_ctx = new_real, max(padded_ctx, ctx_lens[i])
+                real, padded_ctx, ctx_sum = new_real, max(padded_ctx, ctx_lens[i]), ctx_sum + ctx_lens[i]
                 continue
             groups.append(current)
         current, real, padded_q, padded_ctx = [i], q_lens[i] * ctx_lens[i], q_lens[i], ctx_lens[i]
+        ctx_sum = ctx_lens[i]
     if current:
         groups.append(current)
     return groups
@@ -105,6 +114,9 @@ class ForwardBatchBuilder:
     def __init__(self, block_size: int, n_rep: int, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
         self.block_size, self.n_rep, self.device, self.dtype = block_size, n_rep, device, dtype
         self._ramp = torch.arange(0)  # 0, 1, 2, ... on the CPU, grown on demand
+        # queries up to this long attend in place (the model's CPU attention kernel; 0: every group gathers),
+        # which lifts the gather path's cap on a group's keys (group_sequences)
+        self.in_place_max_q = 0
 
     def ramp(self, n: int) -> torch.Tensor:
         if n > self._ramp.shape[0]:
@@ -116,7 +128,7 @@ class ForwardBatchBuilder:
         bs = self.block_size
         q_lens = [len(s.token_ids) for s in seqs]
         ctx_lens = [s.start_pos + q for s, q in zip(seqs, q_lens, strict=True)]
-        grouping = group_sequences(q_lens, ctx_lens)
+        grouping = group_sequences(q_lens, ctx_lens, self.in_place_max_q)
         order = [i for members in grouping for i in members]  # sequences in flat-row order
 
         # per sequence, in flat order: query length, first position, first flat row, padded block table

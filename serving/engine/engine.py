@@ -25,7 +25,7 @@ from serving.engine.cpu_linear import PackingDecision, choose, unsupported_reaso
 from serving.engine.grammar import RequestGrammar, apply_grammar_masks
 from serving.engine.kv_cache import BlockManager, KVCache, kv_bytes_per_block
 from serving.engine.loader import load_model, read_model_args, resolve_dtype
-from serving.engine.model import Transformer
+from serving.engine.model import KERNEL_MAX_QUERY, Transformer
 from serving.engine.parallel.group import TensorParallelGroup, start_workers
 from serving.engine.request import Request
 from serving.engine.sampling import compute_logprobs, sample_requests
@@ -181,15 +181,17 @@ class LLMEngine:
     def choose_attention(self) -> None:
         """model.cpu_decode_attention: decode groups of the target and the draft through the CPU kernel, or not."""
         config = self.config
-        models = [("target", self.model)]
+        models = [("target", self.model, self.builder)]
         proposer = self.speculator.proposer if self.speculator is not None else None
         if isinstance(proposer, DraftModelProposer):
-            models.append(("draft", proposer.model))
-        self.decode_attention = [
-            choose_attention(model, name, config.cpu_decode_attention,
-                             attention_unsupported(model.device, model.dtype, self.tp_group is not None))
-            for name, model in models
-        ]
+            models.append(("draft", proposer.model, proposer.builder))
+        self.decode_attention = []
+        for name, model, builder in models:
+            decision = choose_attention(model, name, config.cpu_decode_attention,
+                                        attention_unsupported(model.device, model.dtype, self.tp_group is not None))
+            # groups the kernel reads in place need not be split to keep a gathered copy in the CPU's caches
+            builder.in_place_max_q = KERNEL_MAX_QUERY if decision.kernel else 0
+            self.decode_attention.append(decision)
 
     def prepare_draft_rollout(self) -> None:
         """speculative.draft_rollout: the draft's catch-up and drafts as one compiled graph, or why not."""

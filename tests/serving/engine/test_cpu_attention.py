@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from serving.engine import cpu_attention
 from serving.engine.cpu_attention import DecodeAttentionKernel, KernelUnavailable, build, choose, unsupported_reason
+from serving.engine.model import KERNEL_MAX_QUERY
 from serving.engine.types import SamplingParams
 
 pytestmark = pytest.mark.skipif(cpu_attention.find_compiler() is None, reason="no C++ compiler on PATH")
@@ -123,9 +124,12 @@ def test_engines_with_and_without_the_kernel_give_identical_greedy_tokens(
     model_dir = {"llama": llama_dir, "wide": wide_dir}[which]
     spec = {"enabled": True, "method": "draft", "draft_model": str(qwen2_dir), "num_draft_tokens": 3}
     settings = {"speculative": spec, "kv_cache_bytes": 96 * 1024 if which == "llama" else 640 * 1024}
-    off, _ = _engine_outputs(kit, model_dir, "off", **settings)
+    off, off_engine = _engine_outputs(kit, model_dir, "off", **settings)
     on, engine = _engine_outputs(kit, model_dir, "on", **settings)
     assert [(d.model, d.kernel) for d in engine.decode_attention] == [("target", True), ("draft", True)]
+    # groups read in place are not split to keep a gathered copy small; gathered ones are
+    builders = [(e.builder, e.speculator.proposer.builder) for e in (engine, off_engine)]  # type: ignore[union-attr]
+    assert [b.in_place_max_q for pair in builders for b in pair] == [KERNEL_MAX_QUERY] * 2 + [0] * 2
     assert engine.stats().spec.num_draft_tokens > 0
     assert engine.stats().preemptions_total > 0, "the KV budget was meant to force preemption"
     assert on == off
