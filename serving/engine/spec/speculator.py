@@ -65,7 +65,8 @@ class Speculator:
         prefilling += sum(r.num_tokens for r in scheduler.waiting)
         other_tokens = min(prefilling, max(self.max_num_batched_tokens - len(decoding), 0))
         by_id = {r.request_id: r for r in decoding}
-        catch_up = {rid: self._catch_up(by_id[rid]) for rid in candidates}
+        alone = len(candidates) == 1
+        catch_up = {rid: self._catch_up(by_id[rid], alone) for rid in candidates}
 
         # choose k first, then draft exactly that: a draft model's forwards cost, and so do the n-gram proposer's
         # lookups (~30 us a request: 1.9 ms a step at 64 sequences, when it drafted for every candidate first and
@@ -79,14 +80,17 @@ class Speculator:
             k = len(by_id[rid].spec_token_ids)
             self.stats.k_histogram[k] = self.stats.k_histogram.get(k, 0) + 1
 
-    def _catch_up(self, req: Request) -> float:
+    def _catch_up(self, req: Request, alone: bool) -> float:
         """Draft tokens to charge before the draft can draft for req. The first catch-up (the prompt) is
         amortized over the request; a request that drafted before and then sat out steps pays its whole lag
-        now: amortizing that too let the policy resume a changing few requests at 64 sequences, each resumption
-        a catch-up, and the engine ran at 0.88x spec-off where always k = 0 ran at 1.00x and always k = 4 at
-        0.98x."""
+        now, unless it is the only candidate: amortizing that too let the policy resume a changing few
+        requests at 64 sequences, each resumption a catch-up, and the engine ran at 0.88x spec-off where always
+        k = 0 ran at 1.00x and always k = 4 at 0.98x. A lone request has nobody to churn with, and charged its
+        whole lag it could never resume: one early rejection (or a cost fit still carrying a busier load) set
+        it to k = 0, its lag then grew a token a step, and its exploration probe waits for a small catch-up, so
+        the rest of the request ran without speculation (c=1 at ~500 instead of ~1,500 tokens/s)."""
         lag = self.proposer.lag(req)
-        if req.request_id in self._drafted:
+        if req.request_id in self._drafted and not alone:
             return float(lag)
         return amortized_catch_up(lag, req)
 
