@@ -139,7 +139,7 @@ class ModelSection(StrictModel):
         "without tensor parallelism or model.compile on.",
     )
     cpu_decode_attention: DecodeAttentionMode = Field(
-        "auto", description="CPU: decode steps (and verify steps of up to 2 drafts) attend through a small C++ "
+        "auto", description="CPU: decode steps and verify steps (up to 16 query tokens) attend through a small C++ "
         "kernel that reads the paged KV cache in place instead of gathering it into a copy for SDPA (built at "
         "start-up with the host's C++ compiler and cached, or a portable build shipped in the image). auto: per "
         "model (target, draft), kept where decode groups measured at start-up take <= 0.95 of the gather path's "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -144,29 +145,41 @@ def test_a_proposer_drafts_only_for_the_requests_the_policy_chose(uses_model: bo
     assert [len(r.spec_token_ids) for r in reqs] == [0, 2, 0, 0, 2, 0]
 
 
-def test_a_request_resuming_after_idle_steps_is_charged_its_whole_catch_up() -> None:
-    """The first catch-up (the prompt) is amortized over the request; once it has drafted, sitting out steps
-    and resuming costs the whole lag at once, and the policy is told so."""
-    proposer = _Recording(uses_model=True, lag=9)
+def _charges(lag: int, num_requests: int, chosen: Callable[[str], int]) -> tuple[Speculator, Any, list[Request],
+                                                                            list[dict[str, float]]]:
+    """A speculator over num_requests decoding requests whose draft lags `lag` tokens, with a policy that gives
+    each request chosen(req_id) drafts and records the catch-up it was charged, step by step."""
+    proposer = _Recording(uses_model=True, lag=lag)
     speculator = Speculator(SpeculativeConfig(enabled=True, method="ngram", num_draft_tokens=4), proposer, 256, 512)
-    scheduler, reqs = _decoding(2)
+    scheduler, reqs = _decoding(num_requests)
     seen: list[dict[str, float]] = []
 
     def choose(candidates: dict[str, int], other: int, decodes: int, catch_up: dict[str, float],
                flat: float | None = None) -> dict[str, int]:
         seen.append(dict(catch_up))
-        return {r: (1 if r == "r0" else 0) for r in candidates}
+        return {r: chosen(r) for r in candidates}
 
-    speculator.policy.choose = choose  # type: ignore[method-assign]
-    speculator.propose_next(scheduler)  # type: ignore[arg-type]
+    speculator.policy.choose = choose  # type: ignore[method-assign,assignment]
+    return speculator, scheduler, reqs, seen
+
+
+def _verified_and_proposed_again(speculator: Speculator, scheduler: Any, reqs: list[Request]) -> None:
     for r in reqs:
         r.spec_token_ids = []
-    speculator.propose_next(scheduler)  # type: ignore[arg-type]
+    speculator.propose_next(scheduler)
+
+
+def test_a_request_resuming_after_idle_steps_is_charged_its_whole_catch_up() -> None:
+    """The first catch-up (the prompt) is amortized over the request; once it has drafted, sitting out steps
+    and resuming costs the whole lag at once, and the policy is told so."""
+    speculator, scheduler, reqs, seen = _charges(9, 2, lambda r: 1 if r == "r0" else 0)
+    speculator.propose_next(scheduler)
+    _verified_and_proposed_again(speculator, scheduler, reqs)
     first = speculator_module.amortized_catch_up(9, reqs[0])
     assert first < 9 and seen[0]["r0"] == pytest.approx(first)
     assert seen[1] == {"r0": 9.0, "r1": pytest.approx(speculator_module.amortized_catch_up(9, reqs[1]))}
     speculator.release("r0")  # a new request under the same id starts amortized again
-    speculator.propose_next(scheduler)  # type: ignore[arg-type]
+    speculator.propose_next(scheduler)
     assert seen[2]["r0"] < 9
 
 
@@ -174,19 +187,8 @@ def test_a_lone_request_that_sat_out_is_charged_the_amortized_catch_up_so_it_can
     """With nobody to churn with, the whole-lag rule only kept a lone request from ever speculating again after
     one k = 0 step (its lag grew a token a step, and its probe waits for a small catch-up): measured, 2 of 5
     c=1 runs after a 16-sequence run ran at ~490 tokens/s with speculation in 1 % of steps."""
-    proposer = _Recording(uses_model=True, lag=40)
-    speculator = Speculator(SpeculativeConfig(enabled=True, method="ngram", num_draft_tokens=4), proposer, 256, 512)
-    scheduler, reqs = _decoding(1)
-    seen: list[dict[str, float]] = []
-
-    def choose(candidates: dict[str, int], other: int, decodes: int, catch_up: dict[str, float],
-               flat: float | None = None) -> dict[str, int]:
-        seen.append(dict(catch_up))
-        return dict.fromkeys(candidates, 1)
-
-    speculator.policy.choose = choose  # type: ignore[method-assign]
-    for _ in range(2):  # drafts once, then (its drafts verified) is a candidate again, lagging 40 tokens
-        speculator.propose_next(scheduler)  # type: ignore[arg-type]
-        reqs[0].spec_token_ids = []
+    speculator, scheduler, reqs, seen = _charges(40, 1, lambda r: 1)
+    speculator.propose_next(scheduler)  # drafts once, then (its drafts verified) is a candidate again, 40 behind
+    _verified_and_proposed_again(speculator, scheduler, reqs)
     amortized = speculator_module.amortized_catch_up(40, reqs[0])
     assert amortized < 40 and seen[1]["r0"] == pytest.approx(amortized)

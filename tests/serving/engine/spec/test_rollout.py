@@ -290,6 +290,22 @@ def test_a_failed_compile_is_refused_by_name_when_on_and_reported_when_auto(
     assert "cpp wrapper" in decision.reason and "python wrapper" in decision.reason  # both were tried
 
 
+@pytest.mark.parametrize("wrapper, cpp", [("cpp", True), ("python", False)])
+def test_the_wrapper_setting_is_inductors_cpp_wrapper_option(kit: Any, llama_dir: Path,
+                                                              monkeypatch: pytest.MonkeyPatch, wrapper: str,
+                                                              cpp: bool) -> None:
+    """The graph-equals-the-model test passes with either wrapper, so it cannot tell whether the setting reached
+    inductor: this checks what torch.compile is asked for."""
+    asked: list[dict[str, Any]] = []
+    def compile_(fn: Any, **kwargs: Any) -> Any:
+        asked.append(kwargs)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", compile_)
+    DraftRollout(kit.PagedRunner(llama_dir).model, num_draft_tokens=3, wrapper=wrapper)  # type: ignore[arg-type]
+    assert asked == [{"fullgraph": True, "options": {"cpp_wrapper": cpp}}]
+
+
 @pytest.mark.parametrize("mode", ["on", "auto"])
 def test_a_failed_cpp_wrapper_falls_back_to_the_python_wrapper_and_says_so(
     kit: Any, llama_dir: Path, monkeypatch: pytest.MonkeyPatch, mode: str
