@@ -76,30 +76,29 @@ class ForwardBatch:
 def group_sequences(q_lens: list[int], ctx_lens: list[int], in_place_max_q: int = 0) -> list[list[int]]:
     """Partition sequence indices into attention groups, longest queries first.
 
-    Groups whose queries are at most in_place_max_q tokens are read in place from the cache (the CPU attention
-    kernel: each sequence over its own length, nothing gathered), so only query padding counts against them
-    and their size is not capped: at 64 decoding sequences the key cap cut one kernel call per layer into ten,
-    each with its own fixed cost."""
+    Sequences whose queries are at most in_place_max_q tokens are read in place from the cache by the CPU attention
+    kernel, which walks each sequence over its own context and its own query tokens: padding costs it nothing, so
+    they make one group whatever their lengths (at 64 decoding sequences the gather path's key cap cut one kernel
+    call per layer into ten, and query padding put decoding sequences beside verifying ones into a second call
+    and made them score their padding rows). Other groups are capped by query padding and gathered keys."""
     order = sorted(range(len(q_lens)), key=lambda i: (-q_lens[i], -ctx_lens[i]))
     groups: list[list[int]] = []
     current: list[int] = []
-    real = padded_q = padded_ctx = ctx_sum = 0
+    real = padded_q = padded_ctx = 0
     for i in order:
         if current:
-            new_real = real + q_lens[i] * ctx_lens[i]
-            # queries are sorted longest first, so max_q stays; the context may grow
-            if padded_q <= in_place_max_q:  # work is each sequence's own context x the group's longest query
-                new_keys, new_padded = 0, padded_q * (ctx_sum + ctx_lens[i])
-            else:
-                new_keys = (len(current) + 1) * max(padded_ctx, ctx_lens[i])
-                new_padded = new_keys * padded_q
-            if new_padded <= _GROUP_PADDING_SLACK * new_real + 64 * padded_q and new_keys <= MAX_GROUP_KEYS:
+            if padded_q <= in_place_max_q:
                 current.append(i)
-                real, padded_ctx, ctx_sum = new_real, max(padded_ctx, ctx_lens[i]), ctx_sum + ctx_lens[i]
+                continue
+            # queries are sorted longest first, so max_q stays; the context may grow
+            new_real = real + q_lens[i] * ctx_lens[i]
+            new_keys = (len(current) + 1) * max(padded_ctx, ctx_lens[i])
+            if new_keys * padded_q <= _GROUP_PADDING_SLACK * new_real + 64 * padded_q and new_keys <= MAX_GROUP_KEYS:
+                current.append(i)
+                real, padded_ctx = new_real, max(padded_ctx, ctx_lens[i])
                 continue
             groups.append(current)
         current, real, padded_q, padded_ctx = [i], q_lens[i] * ctx_lens[i], q_lens[i], ctx_lens[i]
-        ctx_sum = ctx_lens[i]
     if current:
         groups.append(current)
     return groups

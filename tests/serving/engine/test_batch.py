@@ -109,7 +109,9 @@ def test_index_tensors_move_to_the_device_as_one_copy_and_masks_are_made_on_dema
 def test_gathered_groups_keep_their_keys_small_and_in_place_groups_are_not_split() -> None:
     """64 decoding sequences of ~300 keys: gathered, a group holds at most MAX_GROUP_KEYS keys (its copy stays in
     the CPU's caches); read in place by the kernel, they are one group. Longer queries (a prefill chunk) gather
-    and keep the cap either way, and query padding still splits in-place groups."""
+    and keep the cap either way. In place, decodes and verifies of any length up to in_place_max_q share one group
+    (the kernel walks each sequence's own query tokens, so padding costs nothing there); gathered, query padding
+    splits them."""
     decode_q, decode_ctx = [1] * 64, [300 + i for i in range(64)]
     gathered = group_sequences(decode_q, decode_ctx)
     assert len(gathered) > 8 and all(len(g) * max(decode_ctx[i] for i in g) <= MAX_GROUP_KEYS for g in gathered)
@@ -118,7 +120,10 @@ def test_gathered_groups_keep_their_keys_small_and_in_place_groups_are_not_split
     q_lens = [9, 9, 1, 1, 1, 400]  # two verify steps, three decodes, a prefill chunk
     ctx_lens = [300, 310, 300, 305, 290, 900]
     groups = group_sequences(q_lens, ctx_lens, in_place_max_q=16)
-    assert [sorted(g) for g in groups] == [[5], [0, 1], [2, 3, 4]]  # 9-token padding for a decode is too much
+    assert [sorted(g) for g in groups] == [[5], [0, 1, 2, 3, 4]]
+    gathered_mixed = group_sequences(q_lens, ctx_lens)
+    assert [sorted(g) for g in gathered_mixed] == [[5], [0, 1], [2, 3, 4]]  # 9-token padding for a decode: too much
+    assert [sorted(g) for g in group_sequences(q_lens, ctx_lens, in_place_max_q=8)] == [[5], [0, 1], [2, 3, 4]]
     assert [sorted(g) for g in group_sequences([1] * 10, [1500] * 10, in_place_max_q=0)] == [[i] for i in range(10)]
 
     seqs = [SequenceInput([7], 300 + i, list(range(i * 24, i * 24 + 24)), [0]) for i in range(64)]

@@ -32,7 +32,8 @@ def kernels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, DecodeAttenti
 def reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
               q_start: torch.Tensor, lens: torch.Tensor, n_rep: int) -> torch.Tensor:
     """Each sequence's context gathered by hand and attended with SDPA, causally: query token j of sequence g
-    sees keys 0 .. q_start[g] + j. q [G * T, Hq, D] -> [G * T, Hq * D]."""
+    sees keys 0 .. q_start[g] + j; its tokens at lens[g] and past are padding, zeros. q [G * T, Hq, D] -> [G * T,
+    Hq * D]."""
     _, _, hkv, d = k_pool.shape
     num_seqs = len(lens)
     tokens = q.shape[0] // num_seqs
@@ -42,7 +43,10 @@ def reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
         k = k_pool[tables[g]].reshape(-1, hkv, d)[:n].transpose(0, 1)  # [Hkv, n, D]
         v = v_pool[tables[g]].reshape(-1, hkv, d)[:n].transpose(0, 1)
         for j in range(tokens):
-            seen = min(int(q_start[g]) + j + 1, n)
+            if int(q_start[g]) + j >= n:
+                rows.append(torch.zeros(q.shape[1] * d))
+                continue
+            seen = int(q_start[g]) + j + 1
             qj = q[g * tokens + j].reshape(hkv, n_rep, d)
             rows.append(F.scaled_dot_product_attention(qj, k[:, :seen], v[:, :seen]).reshape(-1))
     return torch.stack(rows)
@@ -58,7 +62,9 @@ def test_the_kernel_equals_gathered_sdpa(kernels: dict[str, DecodeAttentionKerne
     """Lengths from one key to several blocks, partial last blocks, a block shared by two sequences (prefix
     caching), the query rows and block tables strided views of larger tensors (as the engine passes them); with
     several query tokens (verify steps: 3 and fewer take the decode walk, 4 and more the tiled one where the head
-    dim is a multiple of 32), causal, and one sequence whose last query token is padding."""
+    dim is a multiple of 32), causal, one sequence whose last query token is padding and one that decodes beside
+    the verifying ones (one real query token, the rest padding: it takes the decode walk, and its padding rows
+    come out as zeros)."""
     g = torch.Generator().manual_seed(head_dim * 100 + n_rep * 10 + block_size + tokens)
     num_blocks = 96
     k_pool = torch.randn(num_blocks, block_size, n_kv_heads, head_dim, generator=g)
@@ -68,7 +74,8 @@ def test_the_kernel_equals_gathered_sdpa(kernels: dict[str, DecodeAttentionKerne
         lens = torch.maximum(lens, torch.tensor(tokens))
     q_start = lens - tokens
     if tokens > 1:
-        q_start[2] += 1  # its last query slot is padding (a shorter query in the group): sees every key
+        q_start[2] += 1  # its last query slot is padding (a shorter query in the group)
+        q_start[4] = lens[4] - 1  # a decoding sequence padded to the group's query length
     width = 2 + -(-int(lens.max()) // block_size)
     tables = torch.randperm(num_blocks, generator=g)[: len(lens) * width].view(len(lens), width)
     tables[4, 0] = tables[3, 0]  # a prefix block two sequences share
