@@ -476,7 +476,7 @@ def build_speculator(
         # as many draft blocks as target blocks: the draft never runs out before the target does
         proposer = DraftModelProposer.load(spec.draft_model, config.model, model.args, dtype, device,
                                            model.max_model_len, num_blocks, config.kv_block_size)
-    return Speculator(spec, proposer, config.max_num_batched_tokens, model.max_model_len)
+    return Speculator(spec, proposer, model.max_model_len)
 
 
 def compiles(mode: str, device: torch.device) -> bool:

@@ -238,7 +238,8 @@ class DraftModelProposer:
         # blocks now full of the sequence's own tokens become reusable by content
         self.blocks.commit(r.request_id, r.all_token_ids, r.num_tokens)
         # the policy is given this cost as a whole (fixed_draft_seconds), not as forwards of its draft_cost fit
-        self.rollout.rollout_cost.observe(1, time.perf_counter() - started)
+        drafts.rollout_seconds = time.perf_counter() - started
+        self.rollout.rollout_cost.observe(1, drafts.rollout_seconds)
         self.rollouts_total += 1
         return True
 

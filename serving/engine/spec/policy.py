@@ -7,7 +7,12 @@ per request and globally (exponentially decayed). With per-token acceptance alph
 
     goodput(k) = expected tokens of all sequences / (target step time + k draft forwards)
 
-and takes the best. At low load the step is overhead-bound (a dominates), verifying k extra tokens is
+and takes the best. A sequence that speculates also costs the engine work outside both forwards: its
+proposal (an n-gram lookup, a draft's block bookkeeping) and its verification's bookkeeping. That is fitted
+too, as seconds per speculating sequence, and charged once per sequence given a first draft position (at 64
+n-gram sequences all at k = 1, steps ran at 1.00x spec-off's tokens per second where the two lines alone
+predicted ~+10 %: the lookups and bookkeeping were ~19 us a sequence against a verify token's 120 us). At low
+load the step is overhead-bound (a dominates), verifying k extra tokens is
 nearly free and speculation wins; as the batch fills, b * tokens dominates, extra verify tokens cost
 as much as they earn and k falls to 0, so speculation never costs throughput.
 """
@@ -16,14 +21,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass
 class LinearCost:
-    """Online least squares fit of seconds = intercept + slope * x with exponential forgetting."""
+    """Online least squares fit of seconds = intercept + slope * x with exponential forgetting, robust to a lone
+    slow observation.
+
+    Once the fit has a few points, an observation is clipped to 3 typical misses of the line (an exponentially
+    averaged absolute residual) before it enters the sums. Unclipped, one slow step set the slope by itself: the
+    first verify step of a batch, run right after the benchmark's other engines had the CPU's caches, took 11.1
+    ms for 36 tokens where the line said 6.1 (37.9 for 96 against 13.6), the steps after it all had the same x,
+    and a line through two clusters ignores their weights. The slope stayed at ~3x its value (0.35 ms a token
+    at 4 sequences) and nothing drafted for the rest of the run. A real change of cost still comes through:
+    each clipped miss widens the limit by 20 %."""
 
     intercept: float
     slope: float
     decay: float = 0.98
+    _scale: float = 0.0  # typical absolute residual, exponentially averaged
     _n: float = 0.0
     _sx: float = 0.0
     _sy: float = 0.0
@@ -31,6 +48,12 @@ class LinearCost:
     _sxy: float = 0.0
 
     def observe(self, x: float, seconds: float) -> None:
+        predicted = self(x)
+        if self._n >= 8:
+            limit = 3.0 * self._scale
+            seconds = min(max(seconds, predicted - limit), predicted + limit)
+        miss = abs(seconds - predicted)
+        self._scale = miss if self._n == 0 else 0.9 * self._scale + 0.1 * miss
         d = self.decay
         self._n = d * self._n + 1
         self._sx = d * self._sx + x
@@ -93,31 +116,49 @@ class SpeculationPolicy:
     uses_draft_model: bool = True
     target_cost: LinearCost = field(default_factory=lambda: LinearCost(intercept=5e-3, slope=1e-4))
     draft_cost: LinearCost = field(default_factory=lambda: LinearCost(intercept=1e-3, slope=2e-5))
+    # seconds of the speculator's own work (proposing, bookkeeping; draft forwards excluded) against the number
+    # of sequences that speculate: only the slope is charged, the intercept is paid whatever the choice
+    sequence_cost: LinearCost = field(default_factory=lambda: LinearCost(intercept=1e-4, slope=1e-5))
     global_acceptance: Acceptance = field(default_factory=Acceptance)
+    # the pair's acceptance over the last ~1,000 verifications: what an idle global estimate relaxes toward
+    long_run_acceptance: Acceptance = field(default_factory=lambda: Acceptance(decay=0.999))
     per_request: dict[str, Acceptance] = field(default_factory=dict)
     explore_after: int = 32  # a request left at k = 0 this many steps gets one k = 1 probe
     _idle_steps: dict[str, int] = field(default_factory=dict)
     _steps_without_drafts: int = 0  # across all requests: short requests never reach their own probe
 
+    def global_rate(self) -> float:
+        """The recent acceptance of every request together, anchored at the pair's long-run rate (never below
+        the prior): while nobody drafts the recent counts fade and the estimate returns to that anchor. Anchored
+        at the fixed prior (0.6) alone, a draft pair accepting ~0.94 that sat out a stretch came back looking like
+        0.6, too poor to speculate with at 16 sequences, so it never drafted again to correct the estimate (seen:
+        a 16-sequence run starting from 0.60 after a 4-sequence one, k = 0 throughout)."""
+        recent = self.global_acceptance
+        anchor = max(recent.prior, self.long_run_acceptance.rate)
+        return (recent.accepted + anchor * recent.prior_weight) / (recent.tested + recent.prior_weight)
+
     def acceptance(self, req_id: str) -> float:
         own = self.per_request.get(req_id)
         if own is None:
-            return self.global_acceptance.rate
+            return self.global_rate()
         # a request's own history, with the global rate as its prior
-        return (own.accepted + self.global_acceptance.rate * own.prior_weight) / (own.tested + own.prior_weight)
+        return (own.accepted + self.global_rate() * own.prior_weight) / (own.tested + own.prior_weight)
 
     def choose(
         self,
         candidates: dict[str, int],
-        other_tokens: int,
         num_decodes: int,
         catch_up: dict[str, float] | None = None,
         flat_draft_seconds: float | None = None,
+        lags: dict[str, int] | None = None,
     ) -> dict[str, int]:
         """k per candidate request (at most candidates[req_id]); 0 means it does not speculate this step.
 
-        other_tokens: tokens of the step that are not decode/verify tokens (prefill chunks);
-        num_decodes: sequences decoding this step (candidates included);
+        num_decodes: sequences decoding this step (candidates included). Rates are those of the decode part of
+        the step, target_cost(num_decodes + verify tokens): prefill chunks sharing the step cost the same
+        whatever is chosen. Counted in, a step carrying a 500-token chunk made verify tokens look nearly free
+        next to the emitted tokens: at 64 sequences 57 of them drafted 7 each while the rest still prefilled
+        (0.79-0.97x spec-off over four such runs);
         catch_up: req_id -> draft tokens to charge before it can draft for it (1 when up to date; the
         caller may amortise a long catch-up over the request's remaining steps).
 
@@ -130,6 +171,9 @@ class SpeculationPolicy:
         rollout, serving.engine.spec.rollout): its k is then also weighed as a whole, every position costing
         only its verify token after that one fixed cost, and the better of the two choices is taken. Position
         by position, the first positions would have to pay the fixed cost alone and none would look worth it.
+
+        lags: req_id -> draft tokens the proposer is behind (default: catch_up). An exploration probe is forced
+        only where the lag itself is small, whatever share of it catch_up charges.
         """
         if not candidates:
             return {}
@@ -139,7 +183,7 @@ class SpeculationPolicy:
         order = sorted(candidates, key=lambda r: -alphas[r])
         ks = dict.fromkeys(candidates, 0)
         tokens = float(num_decodes)  # expected tokens emitted this step
-        batch = other_tokens + num_decodes  # tokens in the target forward
+        batch = num_decodes  # decode and verify tokens in the target forward
         draft_seconds = 0.0
         for position in range(1, self.max_k + 1):
             eligible = [r for r in order if ks[r] == position - 1 and candidates[r] >= position]
@@ -150,6 +194,8 @@ class SpeculationPolicy:
                 gain += alphas[r] ** position  # P(this position is reached and accepted)
                 fed += (catch_up or {}).get(r, 1.0) if position == 1 else 1.0
                 seconds = self.target_cost(batch + m) + draft_seconds
+                if position == 1:
+                    seconds += self.sequence_cost.slope * m
                 if self.uses_draft_model:
                     seconds += self.draft_cost(fed)
                 rate = (tokens + gain) / seconds
@@ -162,13 +208,50 @@ class SpeculationPolicy:
                 ks[r] = position
             tokens += sum(alphas[r] ** position for r in chosen)
             batch += best_m
+            if position == 1:
+                draft_seconds += self.sequence_cost.slope * best_m
             if self.uses_draft_model:
                 fed = sum((catch_up or {}).get(r, 1.0) for r in chosen) if position == 1 else float(best_m)
                 draft_seconds += self.draft_cost(fed)
+        rate = tokens / (self.target_cost(batch) + draft_seconds)
         if flat_draft_seconds is not None and len(candidates) == 1:
-            ks = self._best_whole_k(ks, candidates, alphas, other_tokens + num_decodes, float(num_decodes),
-                                    tokens / (self.target_cost(batch) + draft_seconds), flat_draft_seconds)
-        return self._explore(ks, catch_up or {}, order)
+            ks = self._best_whole_k(ks, candidates, alphas, num_decodes, float(num_decodes), rate, flat_draft_seconds)
+        elif len(candidates) > 1 and self.uses_draft_model:
+            floor = num_decodes / self.target_cost(num_decodes) * 1.005
+            ks = self._best_shared_k(ks, candidates, alphas, order, num_decodes, catch_up or {}, max(rate, floor))
+        behind = {r: float(n) for r, n in lags.items()} if lags is not None else catch_up or {}
+        return self._explore(ks, behind, order)
+
+    def _best_shared_k(self, ks: dict[str, int], candidates: dict[str, int], alphas: dict[str, float],
+                       order: list[str], num_decodes: int, catch_up: dict[str, float], rate: float) -> dict[str, int]:
+        """The best plan in which the m likeliest candidates all draft k (m and k searched), kept only if it beats
+        `rate`; for draft models (an n-gram lookup has no forward to share). Position by position, each position
+        must pay for itself: a draft forward's fixed cost and each sequence's own overhead fall on the first
+        positions, whose gain alone does not cover them, while deep positions of likely requests would (draft
+        acceptance rises with depth). Measured at 16 sequences of the demo pair, one process: the position-by-
+        position choice (1.5 drafts a sequence) ran at 0.88-0.93x spec-off where every sequence at k = 6 ran at
+        1.14-1.22x."""
+        # plans as a [k, m] grid: row k - 1 has every candidate drafting min(k, its cap), summed over the first m
+        alpha = np.array([alphas[r] for r in order])
+        caps = np.array([candidates[r] for r in order])
+        k_grid = np.minimum(np.arange(1, self.max_k + 1)[:, None], caps[None, :])  # [K, M]
+        a = np.minimum(alpha, 1.0 - 1e-9)[None, :]
+        gain = np.cumsum(a * (1.0 - a**k_grid) / (1.0 - a), axis=1)  # expected accepted drafts
+        verify = np.cumsum(k_grid, axis=1)
+        m = np.arange(1, len(order) + 1)[None, :]
+        target, draft = self.target_cost, self.draft_cost
+        seconds = target.intercept + target.slope * (num_decodes + verify) + self.sequence_cost.slope * m
+        if self.uses_draft_model:
+            fed = np.cumsum([catch_up.get(r, 1.0) for r in order])[None, :]
+            later_forwards = np.arange(self.max_k)[:, None]  # k - 1 forwards of m tokens after the catch-up's
+            per_forward = draft.intercept + draft.slope * m
+            seconds = seconds + draft.intercept + draft.slope * fed + later_forwards * per_forward
+        plan_rate = (num_decodes + gain) / seconds
+        k_best, m_best = np.unravel_index(int(np.argmax(plan_rate)), plan_rate.shape)
+        if plan_rate[k_best, m_best] <= rate:
+            return ks
+        chosen = set(order[: m_best + 1])
+        return {r: min(int(k_best) + 1, cap) if r in chosen else 0 for r, cap in candidates.items()}
 
     def _best_whole_k(self, ks: dict[str, int], candidates: dict[str, int], alphas: dict[str, float], batch: int,
                       tokens: float, rate: float, flat_seconds: float) -> dict[str, int]:
@@ -178,20 +261,26 @@ class SpeculationPolicy:
         best_k, best_rate, gain = ks[r], rate, 0.0
         for k in range(1, min(self.max_k, cap) + 1):
             gain += alphas[r] ** k
-            k_rate = (tokens + gain) / (self.target_cost(batch + k) + flat_seconds)
+            k_rate = (tokens + gain) / (self.target_cost(batch + k) + flat_seconds + self.sequence_cost.slope)
             if k_rate > best_rate:
                 best_k, best_rate = k, k_rate
         return {r: best_k}
 
-    def _explore(self, ks: dict[str, int], catch_up: dict[str, float], order: list[str]) -> dict[str, int]:
+    def rested(self, req_id: str) -> bool:
+        """Whether the request has sat out explore_after steps in a row: the speculator then charges its draft's
+        catch-up amortized again, so a request set to k = 0 can resume (at most once per explore_after steps,
+        which bounds the churn of catch-ups) instead of waiting for a probe its growing lag never allows."""
+        return self._idle_steps.get(req_id, 0) >= self.explore_after
+
+    def _explore(self, ks: dict[str, int], behind: dict[str, float], order: list[str]) -> dict[str, int]:
         """Estimates only move when a request speculates; a cheap probe now and then keeps k = 0 from being
         forever (not where the draft would first have to catch up on a long stretch). Two clocks: each
         request's own, and one for the whole engine, so that after overload a stream of short requests
         (each gone before its own probe) still re-probes; meanwhile the global acceptance relaxes toward
-        its prior, so speculation comes back within a few dozen steps of load dropping."""
+        its anchor (global_rate), so speculation comes back within a few dozen steps of load dropping."""
         for r, k in ks.items():
             idle = 0 if k > 0 else self._idle_steps.get(r, 0) + 1
-            if idle >= self.explore_after and catch_up.get(r, 1.0) <= 8.0:
+            if idle >= self.explore_after and behind.get(r, 1.0) <= 8.0:
                 ks[r], idle = 1, 0
             self._idle_steps[r] = idle
         if any(ks.values()):
@@ -200,7 +289,7 @@ class SpeculationPolicy:
         self._steps_without_drafts += 1
         self.global_acceptance.relax()
         if self._steps_without_drafts >= self.explore_after:
-            probe = next((r for r in order if catch_up.get(r, 1.0) <= 8.0), None)
+            probe = next((r for r in order if behind.get(r, 1.0) <= 8.0), None)
             if probe is not None:
                 ks[probe] = 1
                 self._steps_without_drafts = 0
@@ -213,9 +302,18 @@ class SpeculationPolicy:
     def observe_draft_forward(self, num_tokens: int, seconds: float) -> None:
         self.draft_cost.observe(num_tokens, seconds)
 
+    def observe_speculator_work(self, num_speculating: int, seconds: float) -> None:
+        self.sequence_cost.observe(num_speculating, seconds)
+
     def observe_verification(self, req_id: str, accepted: int, drafted: int) -> None:
         self.global_acceptance.observe(accepted, drafted)
-        self.per_request.setdefault(req_id, Acceptance(prior=0.0, prior_weight=2.0)).observe(accepted, drafted)
+        self.long_run_acceptance.observe(accepted, drafted)
+        # a request's own estimate leans on the global rate until it has tested about a full verification's worth
+        # of positions: a first verification is often rejected at once (3 of the first 4 bench prompts: 0 of 8
+        # accepted; over 16 code prompts 3.1 of 8 on average at the first, 4.2 later), and weighed against 2
+        # positions of prior one such miss put the request at 0.62, below every plan, so it never drafted again
+        own = self.per_request.setdefault(req_id, Acceptance(prior=0.0, prior_weight=float(self.max_k)))
+        own.observe(accepted, drafted)
 
     def forget(self, req_id: str) -> None:
         self.per_request.pop(req_id, None)

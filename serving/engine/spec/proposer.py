@@ -22,6 +22,12 @@ class Proposals:
     tokens: dict[str, list[int]] = field(default_factory=dict)  # req_id -> draft tokens (absent: none)
     probs: dict[str, torch.Tensor] = field(default_factory=dict)  # req_id -> q [k, vocab]; absent: one-hot q
     forward_seconds: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds) per draft forward
+    rollout_seconds: float = 0.0  # a compiled rollout's time (priced as a whole: Proposer.fixed_draft_seconds)
+
+    @property
+    def priced_seconds(self) -> float:
+        """The drafting time the policy prices by itself: draft forwards and rollouts."""
+        return sum(seconds for _, seconds in self.forward_seconds) + self.rollout_seconds
 
 
 @runtime_checkable

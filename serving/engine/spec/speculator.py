@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from serving.engine.config import SpeculativeConfig
@@ -34,23 +36,23 @@ class Speculator:
         self,
         config: SpeculativeConfig,
         proposer: Proposer,
-        max_num_batched_tokens: int,
         max_model_len: int,
     ) -> None:
         self.config = config
         self.proposer = proposer
-        self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.policy = SpeculationPolicy(max_k=config.num_draft_tokens, adaptive=config.adaptive,
                                         uses_draft_model=proposer.uses_model)
         self.stats = SpecStats(accepted_per_position=[0] * config.num_draft_tokens)
         self._draft_probs: dict[str, torch.Tensor] = {}  # req_id -> q [k, vocab] of sampled draft tokens
         self._drafted: set[str] = set()  # requests that have drafted: their draft has caught up once
+        self._bookkeeping_seconds = 0.0  # this step's after_update, charged with the next proposals
 
     # ---- proposing ----------------------------------------------------------------------------------
 
     def propose_next(self, scheduler: Scheduler) -> None:
         """Give every decoding request that may speculate its draft tokens for the next step."""
+        started = time.perf_counter()
         decoding = [r for r in scheduler.running if r.num_computed_tokens == r.num_tokens - 1 and not r.is_finished]
         candidates = {}
         for req in decoding:
@@ -61,36 +63,39 @@ class Speculator:
                 candidates[req.request_id] = cap
         if not candidates:
             return
-        prefilling = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.running if r not in decoding)
-        prefilling += sum(r.num_tokens for r in scheduler.waiting)
-        other_tokens = min(prefilling, max(self.max_num_batched_tokens - len(decoding), 0))
         by_id = {r.request_id: r for r in decoding}
         alone = len(candidates) == 1
-        catch_up = {rid: self._catch_up(by_id[rid], alone) for rid in candidates}
+        lags = {rid: self.proposer.lag(by_id[rid]) for rid in candidates}
+        catch_up = {rid: self._catch_up(by_id[rid], lags[rid], alone) for rid in candidates}
 
         # choose k first, then draft exactly that: a draft model's forwards cost, and so do the n-gram proposer's
         # lookups (~30 us a request: 1.9 ms a step at 64 sequences, when it drafted for every candidate first and
         # the policy then kept almost none). A lone sequence's drafts may cost one fixed amount for any k (a draft
         # model's compiled rollout). A request the n-gram proposer finds no match for drafts fewer than its k.
         flat = self.proposer.fixed_draft_seconds(by_id[next(iter(candidates))]) if len(candidates) == 1 else None
-        ks = self.policy.choose(candidates, other_tokens, len(decoding), catch_up, flat)
-        proposed = self.proposer.propose([by_id[rid] for rid, k in ks.items() if k > 0], ks)
+        ks = self.policy.choose(candidates, len(decoding), catch_up, flat, lags)
+        speculating = [by_id[rid] for rid, k in ks.items() if k > 0]
+        proposed = self.proposer.propose(speculating, ks)
         self._accept_proposals(proposed, by_id)
         for rid in candidates:
             k = len(by_id[rid].spec_token_ids)
             self.stats.k_histogram[k] = self.stats.k_histogram.get(k, 0) + 1
+        # the speculator's own work this step, less the drafting the policy prices by itself
+        work = self._bookkeeping_seconds + time.perf_counter() - started - proposed.priced_seconds
+        self.policy.observe_speculator_work(len(speculating), max(work, 0.0))
 
-    def _catch_up(self, req: Request, alone: bool) -> float:
+    def _catch_up(self, req: Request, lag: int, alone: bool) -> float:
         """Draft tokens to charge before the draft can draft for req. The first catch-up (the prompt) is
-        amortized over the request; a request that drafted before and then sat out steps pays its whole lag
-        now, unless it is the only candidate: amortizing that too let the policy resume a changing few
-        requests at 64 sequences, each resumption a catch-up, and the engine ran at 0.88x spec-off where always
-        k = 0 ran at 1.00x and always k = 4 at 0.98x. A lone request has nobody to churn with, and charged its
-        whole lag it could never resume: one early rejection (or a cost fit still carrying a busier load) set
-        it to k = 0, its lag then grew a token a step, and its exploration probe waits for a small catch-up, so
-        the rest of the request ran without speculation (c=1 at ~500 instead of ~1,500 tokens/s)."""
-        lag = self.proposer.lag(req)
-        if req.request_id in self._drafted and not alone:
+        amortized over the request. A request that drafted before and then sat out steps pays its whole lag
+        now: amortizing that every step let the policy resume a changing few requests at 64 sequences, each
+        resumption a catch-up, and the engine ran at 0.88x spec-off where always k = 0 ran at 1.00x and always
+        k = 4 at 0.98x. But charged its whole lag for good, a request set to k = 0 could never resume: its lag
+        grows a token a step, and its exploration probe waits for a small catch-up. One early rejection, or a
+        cost fit still carrying a busier load, then left c=1 requests at ~500 instead of ~1,500 tokens/s and
+        whole 4-sequence runs without speculation after their first step. So the amortized charge comes back
+        for a request that is the only candidate (it has nobody to churn with) and for one that has sat out the
+        policy's exploration interval (one resumption per interval at most)."""
+        if req.request_id in self._drafted and not alone and not self.policy.rested(req.request_id):
             return float(lag)
         return amortized_catch_up(lag, req)
 
@@ -141,6 +146,7 @@ class Speculator:
     # ---- bookkeeping --------------------------------------------------------------------------------
 
     def after_update(self, sched: SchedulerOutput, sampled: dict[str, list[int]], step_seconds: float) -> None:
+        started = time.perf_counter()
         self.policy.observe_target_step(sched.total_num_scheduled_tokens, step_seconds)
         for rid in sched.preempted_ids:
             self.release(rid)
@@ -153,6 +159,7 @@ class Speculator:
                 self.release(req.request_id)
             else:
                 self.proposer.rollback(req.request_id, req.num_computed_tokens)
+        self._bookkeeping_seconds = time.perf_counter() - started
 
     def _record_verification(self, req_id: str, accepted: int, drafted: int) -> None:
         s = self.stats

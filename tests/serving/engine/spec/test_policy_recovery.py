@@ -3,6 +3,8 @@ within a few seconds of load dropping, even for short requests that never reach 
 
 from __future__ import annotations
 
+import pytest
+
 from serving.engine.spec.policy import SpeculationPolicy
 
 
@@ -23,7 +25,7 @@ def _quiet_requests(policy: SpeculationPolicy, requests: int, steps_each: int) -
     for r in range(requests):
         rid = f"quiet{r}"
         for _ in range(steps_each):
-            k = policy.choose({rid: 4}, other_tokens=0, num_decodes=1)[rid]
+            k = policy.choose({rid: 4}, num_decodes=1)[rid]
             policy.observe_target_step(1 + k, 0.02 + 4e-3 * (1 + k))  # CPU-like: a verify token is not free
             if k:
                 policy.observe_verification(rid, k, k)
@@ -35,7 +37,7 @@ def _quiet_requests(policy: SpeculationPolicy, requests: int, steps_each: int) -
 def test_speculation_recovers_after_overload_for_short_requests() -> None:
     policy = SpeculationPolicy(max_k=4, uses_draft_model=False)
     _overload(policy)
-    assert policy.choose({"first": 4}, 0, 1)["first"] == 0  # overload left it off
+    assert policy.choose({"first": 4}, 1)["first"] == 0  # overload left it off
     policy.forget("first")
     drafted = _quiet_requests(policy, requests=30, steps_each=10)  # 300 steps: a few seconds of decoding
     first_on = next((i for i, k in enumerate(drafted) if k), None)
@@ -47,3 +49,24 @@ def test_speculation_recovers_after_overload_for_short_requests() -> None:
 def test_a_quiet_policy_still_speculates_from_the_start() -> None:
     policy = SpeculationPolicy(max_k=4, uses_draft_model=False)
     assert all(_quiet_requests(policy, requests=3, steps_each=5))
+
+
+def test_an_idle_estimate_returns_to_the_pairs_long_run_acceptance_not_the_prior() -> None:
+    """A pair that accepts 0.95 and sits out a busy stretch (nobody drafts, the recent counts fade) must come back
+    at ~0.95: relaxing to the fixed prior (0.6) made 4-16 sequences look not worth drafting for, so nothing
+    drafted again to correct it. A pair that really accepts little still relaxes to the prior, as above."""
+    policy = SpeculationPolicy(max_k=4, uses_draft_model=True)
+    for i in range(300):
+        policy.observe_verification(f"r{i % 8}", 19 if i % 5 else 18, 20)  # 99 of 100 drafts accepted
+    for i in range(8):
+        policy.forget(f"r{i}")
+    for _ in range(200):
+        policy.global_acceptance.relax()  # what a step without drafts does
+    assert policy.global_acceptance.tested < 1  # the recent counts are gone
+    assert policy.acceptance("new") > 0.9
+    weak = SpeculationPolicy(max_k=4, uses_draft_model=True)
+    for _ in range(300):
+        weak.observe_verification("w", 0, 4)
+    for _ in range(200):
+        weak.global_acceptance.relax()
+    assert weak.acceptance("new") == pytest.approx(weak.global_acceptance.prior, abs=0.01)

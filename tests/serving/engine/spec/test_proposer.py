@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -78,8 +79,7 @@ def test_a_third_proposer_runs_through_the_engine(kit: Any, llama_dir: Path, use
     engine: LLMEngine = kit.make_engine(llama_dir, speculative=SpeculativeConfig(
         enabled=True, method="ngram", num_draft_tokens=K, adaptive=False))
     oracle = OracleProposer(uses_model, {str(i): p + e for i, (p, e) in enumerate(zip(prompts, expected, strict=True))})
-    engine.speculator = Speculator(engine.config.speculative, oracle, engine.config.max_num_batched_tokens,
-                                   engine.max_model_len)
+    engine.speculator = Speculator(engine.config.speculative, oracle, engine.max_model_len)
     assert kit.run_to_completion(engine, prompts, params) == expected
 
     spec = engine.stats().spec
@@ -136,7 +136,7 @@ def test_a_proposer_drafts_only_for_the_requests_the_policy_chose(uses_model: bo
     """The n-gram proposer too is asked after the policy has chosen: its lookups cost (~30 us a request), and at
     64 sequences drafting for every candidate first cost 1.9 ms a step for drafts the policy then dropped."""
     proposer = _Recording(uses_model)
-    speculator = Speculator(SpeculativeConfig(enabled=True, method="ngram", num_draft_tokens=4), proposer, 256, 512)
+    speculator = Speculator(SpeculativeConfig(enabled=True, method="ngram", num_draft_tokens=4), proposer, 512)
     scheduler, reqs = _decoding(6)
     speculator.policy.choose = lambda candidates, *a, **k: {r: (2 if r in ("r1", "r4") else 0)  # type: ignore
                                                               for r in candidates}
@@ -150,12 +150,12 @@ def _charges(lag: int, num_requests: int, chosen: Callable[[str], int]) -> tuple
     """A speculator over num_requests decoding requests whose draft lags `lag` tokens, with a policy that gives
     each request chosen(req_id) drafts and records the catch-up it was charged, step by step."""
     proposer = _Recording(uses_model=True, lag=lag)
-    speculator = Speculator(SpeculativeConfig(enabled=True, method="ngram", num_draft_tokens=4), proposer, 256, 512)
+    speculator = Speculator(SpeculativeConfig(enabled=True, method="ngram", num_draft_tokens=4), proposer, 512)
     scheduler, reqs = _decoding(num_requests)
     seen: list[dict[str, float]] = []
 
-    def choose(candidates: dict[str, int], other: int, decodes: int, catch_up: dict[str, float],
-               flat: float | None = None) -> dict[str, int]:
+    def choose(candidates: dict[str, int], decodes: int, catch_up: dict[str, float],
+               flat: float | None = None, lags: dict[str, int] | None = None) -> dict[str, int]:
         seen.append(dict(catch_up))
         return {r: chosen(r) for r in candidates}
 
@@ -192,3 +192,75 @@ def test_a_lone_request_that_sat_out_is_charged_the_amortized_catch_up_so_it_can
     _verified_and_proposed_again(speculator, scheduler, reqs)
     amortized = speculator_module.amortized_catch_up(40, reqs[0])
     assert amortized < 40 and seen[1]["r0"] == pytest.approx(amortized)
+
+
+def test_a_request_set_to_k0_resumes_once_it_has_sat_out_the_exploration_interval() -> None:
+    """The real policy, two requests whose draft lags 40 tokens: they draft (the first catch-up amortized), a
+    costly stretch sets them to k = 0, and the costs come back down. Charged their whole lag (80 draft tokens,
+    ~17 ms against a 5 ms step) they would never resume, and their probes never fire (40 > 8); after
+    explore_after idle steps they are charged the amortized share again and speculate."""
+    proposer = _Recording(uses_model=True, lag=40)
+    speculator = Speculator(SpeculativeConfig(enabled=True, method="ngram", num_draft_tokens=4), proposer, 512)
+    scheduler, reqs = _decoding(2)
+    policy = speculator.policy
+    for tokens in (1, 2, 4, 8, 16, 32):
+        policy.observe_target_step(tokens, 0.004 + 0.0001 * tokens)
+        policy.observe_draft_forward(tokens, 0.001 + 0.0002 * tokens)
+    for _ in range(10):
+        policy.observe_verification("r0", 4, 4)
+        policy.observe_verification("r1", 4, 4)
+    cheap = (policy.target_cost.intercept, policy.target_cost.slope)
+
+    speculator.propose_next(scheduler)
+    assert all(r.spec_token_ids for r in reqs)  # the prompt's catch-up, amortized: both draft
+    policy.target_cost.intercept, policy.target_cost.slope = 0.0, 1.0  # a verify token now costs a second
+    resumed_after = None
+    for step in range(1, 3 * policy.explore_after):
+        _verified_and_proposed_again(speculator, scheduler, reqs)
+        if step == 1:
+            assert not any(r.spec_token_ids for r in reqs)
+            policy.target_cost.intercept, policy.target_cost.slope = cheap
+        if any(r.spec_token_ids for r in reqs):
+            resumed_after = step
+            break
+    assert resumed_after == policy.explore_after + 1  # the whole lag until then; the amortized share after
+    assert all(len(r.spec_token_ids) > 0 for r in reqs)
+
+
+class _Slow(_Recording):
+    """Proposes after `seconds` of work per request, reported as draft forwards or not."""
+
+    def __init__(self, seconds: float, as_forwards: bool) -> None:
+        super().__init__(uses_model=True)
+        self.seconds, self.as_forwards = seconds, as_forwards
+
+    def propose(self, reqs: list[Request], ks: dict[str, int]) -> Proposals:
+        started = time.perf_counter()
+        time.sleep(self.seconds * len(reqs))
+        proposals = super().propose(reqs, ks)
+        if self.as_forwards:
+            proposals.forward_seconds.append((len(reqs), time.perf_counter() - started))
+        return proposals
+
+
+@pytest.mark.parametrize("as_forwards", [False, True])
+def test_the_speculators_own_work_per_sequence_is_measured_apart_from_draft_forwards(as_forwards: bool) -> None:
+    """Work a proposer does outside the forwards it reports (bookkeeping, lookups) is fitted per speculating
+    sequence for the policy; forwards are priced by the draft cost line and not counted twice."""
+    proposer = _Slow(0.004, as_forwards)
+    speculator = Speculator(SpeculativeConfig(enabled=True, method="ngram", num_draft_tokens=4), proposer, 512)
+    scheduler, reqs = _decoding(6)
+    step = iter(range(1000))
+
+    def choose(candidates: dict[str, int], *args: Any, **kwargs: Any) -> dict[str, int]:
+        m = next(step) % 7  # 0 .. 6 sequences speculate
+        return {r: (1 if i < m else 0) for i, r in enumerate(sorted(candidates))}
+
+    speculator.policy.choose = choose  # type: ignore[method-assign]
+    for _ in range(21):
+        _verified_and_proposed_again(speculator, scheduler, reqs)
+    slope = speculator.policy.sequence_cost.slope
+    if as_forwards:
+        assert slope < 0.001
+    else:
+        assert 0.0035 < slope < 0.006

@@ -336,7 +336,7 @@ def test_the_adaptive_policy_is_told_a_lone_sequences_drafts_cost_one_rollout(
     choose = policy.choose
 
     def recording(*args: Any, **kwargs: Any) -> dict[str, int]:
-        flats.append(args[4] if len(args) > 4 else kwargs.get("flat_draft_seconds"))
+        flats.append(args[3] if len(args) > 3 else kwargs.get("flat_draft_seconds"))
         return choose(*args, **kwargs)
 
     monkeypatch.setattr(policy, "choose", recording)
