@@ -19,6 +19,7 @@ as much as they earn and k falls to 0, so speculation never costs throughput.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,7 +36,7 @@ class LinearCost:
     ms for 36 tokens where the line said 6.1 (37.9 for 96 against 13.6), the steps after it all had the same x,
     and a line through two clusters ignores their weights. The slope stayed at ~3x its value (0.35 ms a token
     at 4 sequences) and nothing drafted for the rest of the run. A real change of cost still comes through:
-    each clipped miss widens the limit by 20 %."""
+    each clipped miss widens the limit by up to 20 %."""
 
     intercept: float
     slope: float
@@ -137,12 +138,13 @@ class SpeculationPolicy:
         anchor = max(recent.prior, self.long_run_acceptance.rate)
         return (recent.accepted + anchor * recent.prior_weight) / (recent.tested + recent.prior_weight)
 
-    def acceptance(self, req_id: str) -> float:
+    def acceptance(self, req_id: str, global_rate: float | None = None) -> float:
+        """A request's own history, with the global rate (computed here unless given) as its prior."""
+        prior = self.global_rate() if global_rate is None else global_rate
         own = self.per_request.get(req_id)
         if own is None:
-            return self.global_rate()
-        # a request's own history, with the global rate as its prior
-        return (own.accepted + self.global_rate() * own.prior_weight) / (own.tested + own.prior_weight)
+            return prior
+        return (own.accepted + prior * own.prior_weight) / (own.tested + own.prior_weight)
 
     def choose(
         self,
@@ -179,7 +181,8 @@ class SpeculationPolicy:
             return {}
         if not self.adaptive:
             return {r: min(self.max_k, cap) for r, cap in candidates.items()}
-        alphas = {r: self.acceptance(r) for r in candidates}
+        shared = self.global_rate()
+        alphas = {r: self.acceptance(r, shared) for r in candidates}
         order = sorted(candidates, key=lambda r: -alphas[r])
         ks = dict.fromkeys(candidates, 0)
         tokens = float(num_decodes)  # expected tokens emitted this step
@@ -219,8 +222,7 @@ class SpeculationPolicy:
         elif len(candidates) > 1 and self.uses_draft_model:
             floor = num_decodes / self.target_cost(num_decodes) * 1.005
             ks = self._best_shared_k(ks, candidates, alphas, order, num_decodes, catch_up or {}, max(rate, floor))
-        behind = {r: float(n) for r, n in lags.items()} if lags is not None else catch_up or {}
-        return self._explore(ks, behind, order)
+        return self._explore(ks, lags if lags is not None else catch_up or {}, order)
 
     def _best_shared_k(self, ks: dict[str, int], candidates: dict[str, int], alphas: dict[str, float],
                        order: list[str], num_decodes: int, catch_up: dict[str, float], rate: float) -> dict[str, int]:
@@ -230,7 +232,9 @@ class SpeculationPolicy:
         positions, whose gain alone does not cover them, while deep positions of likely requests would (draft
         acceptance rises with depth). Measured at 16 sequences of the demo pair, one process: the position-by-
         position choice (1.5 drafts a sequence) ran at 0.88-0.93x spec-off where every sequence at k = 6 ran at
-        1.14-1.22x."""
+        1.14-1.22x, and with this plan weighed too 0.98-1.04x. In `bench spec`'s closed batches it did not lift
+        c=16 (0.87-0.99x over eleven runs): there the estimates after a batch's first verifications keep every
+        plan below the bar (docs/engine.md)."""
         # plans as a [k, m] grid: row k - 1 has every candidate drafting min(k, its cap), summed over the first m
         alpha = np.array([alphas[r] for r in order])
         caps = np.array([candidates[r] for r in order])
@@ -272,7 +276,7 @@ class SpeculationPolicy:
         which bounds the churn of catch-ups) instead of waiting for a probe its growing lag never allows."""
         return self._idle_steps.get(req_id, 0) >= self.explore_after
 
-    def _explore(self, ks: dict[str, int], behind: dict[str, float], order: list[str]) -> dict[str, int]:
+    def _explore(self, ks: dict[str, int], behind: Mapping[str, float], order: list[str]) -> dict[str, int]:
         """Estimates only move when a request speculates; a cheap probe now and then keeps k = 0 from being
         forever (not where the draft would first have to catch up on a long stretch). Two clocks: each
         request's own, and one for the whole engine, so that after overload a stream of short requests

@@ -152,3 +152,17 @@ def test_each_speculating_sequence_is_charged_the_speculators_own_work() -> None
     dear = _sixteen_sequence_policy(3e-3)
     assert dear.sequence_cost.slope == pytest.approx(3e-3, rel=0.05)
     assert set(dear.choose(candidates, 16).values()) == {0}
+
+
+def test_one_poor_first_verification_does_not_sink_a_request() -> None:
+    """A request's own estimate leans on the global rate for a verification's worth of positions: a first
+    verification rejected at once (common right after a prompt) leaves it near the pair's rate, where a
+    2-position prior had put it at ~0.62, below every plan, and it never drafted again to correct it."""
+    policy = SpeculationPolicy(max_k=8, uses_draft_model=True)
+    for i in range(200):
+        policy.observe_verification(f"r{i % 16}", 8 if i % 4 else 7, 8)  # the pair accepts ~0.97 per position
+    policy.observe_verification("new", 0, 8)
+    assert policy.acceptance("new") > 0.85
+    for _ in range(4):  # and a request that keeps missing still comes down
+        policy.observe_verification("new", 0, 8)
+    assert policy.acceptance("new") < 0.7
