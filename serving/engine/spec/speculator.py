@@ -17,7 +17,7 @@ from serving.engine.logits import adjust_logits
 from serving.engine.request import Request
 from serving.engine.sampling import SamplingRows, logits_to_probs
 from serving.engine.scheduler import Scheduler, SchedulerOutput
-from serving.engine.spec.policy import SpeculationPolicy
+from serving.engine.spec.policy import EARLY_OUTPUTS, SpeculationPolicy
 from serving.engine.spec.proposer import Proposals, Proposer
 from serving.engine.spec.rejection import rejection_sample, verify_greedy
 from serving.engine.types import SpecStats
@@ -46,6 +46,7 @@ class Speculator:
         self.stats = SpecStats(accepted_per_position=[0] * config.num_draft_tokens)
         self._draft_probs: dict[str, torch.Tensor] = {}  # req_id -> q [k, vocab] of sampled draft tokens
         self._drafted: set[str] = set()  # requests that have drafted: their draft has caught up once
+        self._early: set[str] = set()  # requests whose current drafts were proposed early (EARLY_OUTPUTS)
         self._bookkeeping_seconds = 0.0  # this step's after_update, charged with the next proposals
 
     # ---- proposing ----------------------------------------------------------------------------------
@@ -73,8 +74,10 @@ class Speculator:
         # the policy then kept almost none). A lone sequence's drafts may cost one fixed amount for any k (a draft
         # model's compiled rollout). A request the n-gram proposer finds no match for drafts fewer than its k.
         flat = self.proposer.fixed_draft_seconds(by_id[next(iter(candidates))]) if len(candidates) == 1 else None
-        ks = self.policy.choose(candidates, len(decoding), catch_up, flat, lags)
+        early = {rid for rid in candidates if by_id[rid].num_output_tokens < EARLY_OUTPUTS}
+        ks = self.policy.choose(candidates, len(decoding), catch_up, flat, lags, early)
         speculating = [by_id[rid] for rid, k in ks.items() if k > 0]
+        self._early = early
         proposed = self.proposer.propose(speculating, ks)
         self._accept_proposals(proposed, by_id)
         for rid in candidates:
@@ -150,18 +153,22 @@ class Speculator:
         self.policy.observe_target_step(sched.total_num_scheduled_tokens, step_seconds)
         for rid in sched.preempted_ids:
             self.release(rid)
+        verified = []
         for req in sched.scheduled:
             drafts = sched.spec_token_ids.get(req.request_id)
             if drafts:
                 accepted = len(sampled.get(req.request_id, [])) - 1
-                self._record_verification(req.request_id, accepted, len(drafts))
+                self._record_verification(accepted, len(drafts))
+                verified.append((req.request_id, accepted, len(drafts), req.request_id in self._early))
+        self.policy.observe_verifications(verified)  # before release() forgets the finished ones
+        for req in sched.scheduled:
             if req.is_finished:
                 self.release(req.request_id)
             else:
                 self.proposer.rollback(req.request_id, req.num_computed_tokens)
         self._bookkeeping_seconds = time.perf_counter() - started
 
-    def _record_verification(self, req_id: str, accepted: int, drafted: int) -> None:
+    def _record_verification(self, accepted: int, drafted: int) -> None:
         s = self.stats
         s.num_drafts += 1
         s.num_draft_tokens += drafted
@@ -169,11 +176,11 @@ class Speculator:
         for i in range(accepted):
             s.accepted_per_position[i] += 1
         s.rejected_verify_time_s += (drafted - accepted) * self.policy.target_cost.slope
-        self.policy.observe_verification(req_id, accepted, drafted)
 
     def release(self, req_id: str) -> None:
         """The request left the running set (finished, aborted or preempted): drop its draft state."""
         self._draft_probs.pop(req_id, None)
         self._drafted.discard(req_id)
+        self._early.discard(req_id)
         self.policy.forget(req_id)
         self.proposer.release(req_id)

@@ -155,7 +155,8 @@ def _charges(lag: int, num_requests: int, chosen: Callable[[str], int]) -> tuple
     seen: list[dict[str, float]] = []
 
     def choose(candidates: dict[str, int], decodes: int, catch_up: dict[str, float],
-               flat: float | None = None, lags: dict[str, int] | None = None) -> dict[str, int]:
+               flat: float | None = None, lags: dict[str, int] | None = None,
+               early: set[str] | frozenset[str] = frozenset()) -> dict[str, int]:
         seen.append(dict(catch_up))
         return {r: chosen(r) for r in candidates}
 
