@@ -75,8 +75,8 @@ def register(subparsers: Any) -> None:
     spec.add_argument("--concurrency", default="1,4,16,64", help="comma-separated list (default 1,4,16,64)")
     spec.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
     spec.add_argument("--prompts", type=int, default=8, help="held-out code prompts used (default 8)")
-    spec.add_argument("--k", type=int, default=8,
-                      help="largest number of draft tokens per step; the adaptive policy picks 0..k (default 8)")
+    spec.add_argument("--k", type=int, default=12,
+                      help="largest number of draft tokens per step; the adaptive policy picks 0..k (default 12)")
     spec.add_argument("--threads", type=int, default=1, help="torch threads for every system measured")
     spec.add_argument("--no-baselines", action="store_true", help="skip transformers assisted generation")
     spec.add_argument("--repeats", type=int, default=2,
