@@ -84,6 +84,9 @@ def register(subparsers: Any) -> None:
                            "requests count); throughput: runs per system and concurrency, interleaved, the best "
                            "counts (default 2)")
     spec.add_argument("--json-out", type=Path, help="also write the JSON report to this file")
+    spec.add_argument("--trace-policy", type=Path, metavar="FILE",
+                      help="also write every choice of the adaptive policy (draft and n-gram engines) to FILE as "
+                           "JSON lines: phase, candidates, fitted costs, acceptance estimates, catch-up, k chosen")
     spec.add_argument("--cpu-weight-packing", **_PACKING_ARG)
     spec.add_argument("--cpu-decode-attention", **_ATTENTION_ARG)
     spec.add_argument("--draft-rollout", choices=("auto", "on", "off"), default="auto",
@@ -228,16 +231,25 @@ def _bench_quantization(args: argparse.Namespace) -> int:
 def _bench_spec(args: argparse.Namespace) -> int:
     from serving.engine.spec.benchmark import run_spec_benchmark
 
+    if args.trace_policy is not None and not args.trace_policy.parent.is_dir():
+        raise CommandError(f"--trace-policy {args.trace_policy}: directory {args.trace_policy.parent} does not exist")
+    trace: list[dict[str, Any]] | None = [] if args.trace_policy is not None else None
     report = run_spec_benchmark(_model_dir(args.target), _model_dir(args.draft, "draft"),
                                 _concurrencies(args.concurrency), args.output_len, args.prompts, args.k,
                                 args.threads, baselines=not args.no_baselines, repeats=max(args.repeats, 1),
                                 compile_mode=args.compile, adaptive=not args.no_adaptive, dtype=args.dtype,
                                 weight_packing=args.cpu_weight_packing, draft_rollout=args.draft_rollout,
-                                rollout_wrapper=args.draft_rollout_wrapper, decode_attention=args.cpu_decode_attention)
+                                rollout_wrapper=args.draft_rollout_wrapper, decode_attention=args.cpu_decode_attention,
+                                policy_trace=trace)
     text = json.dumps(report.to_dict(), indent=2)
     sys.stdout.write(text + "\n")
     if args.json_out:
         args.json_out.write_text(text + "\n")
+    if args.trace_policy is not None and trace is not None:
+        partial = args.trace_policy.with_name(args.trace_policy.name + ".partial")
+        partial.write_text("".join(json.dumps(record) + "\n" for record in trace))
+        partial.replace(args.trace_policy)  # whole or not at all
+        sys.stderr.write(f"policy trace: {len(trace)} choices in {args.trace_policy}\n")
     _print_spec_tables(report)
     return 0
 

@@ -284,7 +284,10 @@ def run_spec_benchmark(
     draft_rollout: DraftRolloutMode = "auto",
     rollout_wrapper: RolloutWrapper = "cpp",
     decode_attention: DecodeAttentionMode = "auto",
+    policy_trace: list[dict[str, Any]] | None = None,
 ) -> SpecBenchReport:
+    """policy_trace: when given, every choice of the draft and n-gram engines' policies is appended to it
+    (SpeculationPolicy.describe, with "system" and "phase": warm-up, c1-latency, c1-profile, throughput-c4, ...)."""
     torch.set_num_threads(threads)
     max_c = max(concurrencies)
     engine_args = (max_c, threads, compile_mode, dtype, weight_packing, decode_attention)
@@ -301,6 +304,11 @@ def run_spec_benchmark(
     report = SpecBenchReport(str(target), str(draft), torch.get_num_threads(), k, len(prompts), output_len,
                              compile_mode, adaptive)
     systems = {"spec_off": off, "spec_draft": on_draft, "spec_ngram": on_ngram}
+    phase = ["warm-up"]
+    if policy_trace is not None:
+        for system, engine in (("draft", on_draft), ("ngram", on_ngram)):
+            if engine.speculator is not None:
+                engine.speculator.trace = functools.partial(_trace_into, policy_trace, system, phase)
     report.weight_packing = {name: [asdict(d) for d in engine.weight_packing] for name, engine in systems.items()}
     report.decode_attention = {name: [asdict(d) for d in engine.decode_attention] for name, engine in systems.items()}
     report.draft_rollout = asdict(on_draft.draft_rollout) if on_draft.draft_rollout is not None else None
@@ -309,6 +317,7 @@ def run_spec_benchmark(
         run_concurrent(engine, prompts, 2, 16)
     # c=1 side by side: every prompt on spec off, draft and n-gram back to back, `repeats` passes
     k_before = dict(on_draft.stats().spec.k_histogram)
+    phase[0] = "c1-latency"
     report.c1_rounds = max(repeats, 1)
     runs, outputs, paired = run_interleaved(systems, prompts, output_len, report.c1_rounds)
     report.c1 += runs
@@ -317,6 +326,7 @@ def run_spec_benchmark(
                                    if v - k_before.get(kk, 0)}
     # every pass of every prompt: greedy is deterministic, so each system must give spec off's tokens every time
     report.greedy_identical = outputs["spec_off"] == outputs["spec_draft"] == outputs["spec_ngram"]
+    phase[0] = "c1-profile"
     for system, engine in (("spec_off", off), ("spec_draft", on_draft)):
         split = profile_steps(engine, functools.partial(run_sequential, engine, system, prompts, output_len), 1)
         report.c1_step_split[system] = asdict(split)
@@ -339,6 +349,7 @@ def run_spec_benchmark(
                 report.c1.append(LatencyRun(system, 0, 0, 0.0, 0.0, 0.0, note=f"failed: {exc}"[:200]))
 
     for c in concurrencies:
+        phase[0] = f"throughput-c{c}"
         before = dict(on_draft.stats().spec.k_histogram)
         # interleaved, best of `repeats`: the machine is shared, and a slow moment should not decide a ratio
         t_off = t_draft = t_ngram = 0.0
@@ -364,6 +375,10 @@ def run_spec_benchmark(
         report.ceiling["draft_expected_speedup_at_alpha"] = expected_speedup(report.draft_alpha, k, report.ceiling)
     report.ratios = spec_ratios(report)
     return report
+
+
+def _trace_into(records: list[dict[str, Any]], system: str, phase: list[str], described: dict[str, object]) -> None:
+    records.append({"system": system, "phase": phase[0], **described})
 
 
 def spec_ratios(report: SpecBenchReport) -> dict[str, float]:

@@ -297,6 +297,30 @@ class SpeculationPolicy:
                 best_k, best_rate = k, k_rate
         return {r: best_k}
 
+    def describe(self, candidates: dict[str, int], num_decodes: int, catch_up: Mapping[str, float],
+                 early: set[str] | frozenset[str], ks: Mapping[str, int]) -> dict[str, object]:
+        """What one choice saw and chose, for a trace (`bench spec --trace-policy`): the fitted costs, the
+        acceptance estimates (each candidate's as min / median / max), the catch-up charged, and the k chosen."""
+        shared = self.global_rate()
+        alphas = sorted(self.acceptance(r, shared, r in early) for r in candidates)
+        charged = sorted(catch_up.get(r, 1.0) for r in candidates)
+        histogram: dict[int, int] = {}
+        for r in candidates:
+            histogram[ks.get(r, 0)] = histogram.get(ks.get(r, 0), 0) + 1
+
+        def spread(values: list[float]) -> list[float]:
+            return [round(values[0], 4), round(values[len(values) // 2], 4), round(values[-1], 4)] if values else []
+
+        return {
+            "candidates": len(candidates), "decoding": num_decodes, "early": len(early),
+            "target_cost_ms": [round(self.target_cost.intercept * 1e3, 4), round(self.target_cost.slope * 1e3, 4)],
+            "draft_cost_ms": [round(self.draft_cost.intercept * 1e3, 4), round(self.draft_cost.slope * 1e3, 4)],
+            "sequence_cost_us": round(self.sequence_cost.slope * 1e6, 2),
+            "global_rate": round(shared, 4), "early_rate": round(self.early_rate(shared), 4),
+            "long_run_rate": round(self.long_run_acceptance.rate, 4),
+            "alpha": spread(alphas), "catch_up": spread(charged), "k": dict(sorted(histogram.items())),
+        }
+
     def rested(self, req_id: str) -> bool:
         """Whether the request has sat out explore_after steps in a row: the speculator then charges its draft's
         catch-up amortized again, so a request set to k = 0 can resume (at most once per explore_after steps,

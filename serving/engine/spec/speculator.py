@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -48,6 +49,8 @@ class Speculator:
         self._drafted: set[str] = set()  # requests that have drafted: their draft has caught up once
         self._early: set[str] = set()  # requests whose current drafts were proposed early (EARLY_OUTPUTS)
         self._bookkeeping_seconds = 0.0  # this step's after_update, charged with the next proposals
+        # called with SpeculationPolicy.describe() of every choice when set (bench spec --trace-policy)
+        self.trace: Callable[[dict[str, object]], None] | None = None
 
     # ---- proposing ----------------------------------------------------------------------------------
 
@@ -86,6 +89,8 @@ class Speculator:
         # the speculator's own work this step, less the drafting the policy prices by itself
         work = self._bookkeeping_seconds + time.perf_counter() - started - proposed.priced_seconds
         self.policy.observe_speculator_work(len(speculating), max(work, 0.0))
+        if self.trace is not None:  # after the timing: a trace must not weigh on the speculator's own cost
+            self.trace(self.policy.describe(candidates, len(decoding), catch_up, early, ks))
 
     def _catch_up(self, req: Request, lag: int, alone: bool) -> float:
         """Draft tokens to charge before the draft can draft for req. The first catch-up (the prompt) is

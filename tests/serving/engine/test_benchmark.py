@@ -79,11 +79,16 @@ def test_bench_engine_passes_dtype_weight_packing_and_decode_attention_to_the_en
 def test_bench_spec_passes_dtype_and_weight_packing_to_every_engine(tmp_path: Path) -> None:
     """`bench spec` on the demo pair, shortened: the flags reach the three engines, and the c=1 passes interleave."""
     out = tmp_path / "spec.json"
+    trace = tmp_path / "policy.jsonl"
     code = main(["bench", "spec", "--concurrency", "1", "--output-len", "4", "--prompts", "2", "--no-baselines",
                  "--repeats", "1", "--dtype", "fp32", "--cpu-weight-packing", "on", "--draft-rollout", "off",
-                 "--cpu-decode-attention", "on", "--json-out", str(out)])
+                 "--cpu-decode-attention", "on", "--json-out", str(out), "--trace-policy", str(trace)])
     assert code == 0
     report = json.loads(out.read_text())
+    choices = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert {c["system"] for c in choices} == {"draft", "ngram"}
+    assert {c["phase"] for c in choices} >= {"warm-up", "c1-latency", "throughput-c1"}
+    assert not (tmp_path / "policy.jsonl.partial").exists()
     packed = {name: [(d["model"], d["packed"]) for d in decisions]
               for name, decisions in report["weight_packing"].items()}
     assert packed == {"spec_off": [("target", True)], "spec_draft": [("target", True), ("draft", True)],
@@ -98,3 +103,12 @@ def test_bench_spec_passes_dtype_and_weight_packing_to_every_engine(tmp_path: Pa
     assert report["draft_rollout"] == {**report["draft_rollout"], "enabled": False,
                                        "reason": "speculative.draft_rollout is off"}
     assert report["draft_rollouts"] == 0
+
+
+def test_bench_spec_refuses_a_trace_file_in_a_missing_directory_before_running(tmp_path: Path,
+                                                                                capsys: pytest.CaptureFixture[str]
+                                                                                ) -> None:
+    code = main(["bench", "spec", "--trace-policy", str(tmp_path / "missing" / "policy.jsonl")])
+    assert code != 0
+    err = capsys.readouterr().err
+    assert "--trace-policy" in err and "does not exist" in err

@@ -128,3 +128,47 @@ def test_the_speculator_marks_drafts_proposed_before_early_outputs_tokens_as_ear
     sched = SchedulerOutput(reqs, {r.request_id: 3 for r in reqs}, drafts, 6, 0)
     speculator.after_update(sched, {"r0": [1, 4], "r1": [1, 1, 4]}, 0.005)  # r0: 1 of 2 accepted, r1: 2 of 2
     assert verified == [("r0", 1, 2, True), ("r1", 2, 2, False)]
+
+
+def test_describe_reports_what_a_choice_saw_and_chose() -> None:
+    policy = SpeculationPolicy(max_k=8)
+    _cheap_steps(policy)
+    _steady(policy)
+    for i in range(40):
+        policy.observe_verification(f"n{i}", 0, 8, early=True)
+    candidates = {"young": 8, "old": 8, "capped": 2}
+    ks = policy.choose(candidates, num_decodes=3, early={"young"})
+    seen = policy.describe(candidates, 3, {"young": 1.0, "old": 1.0, "capped": 3.0}, {"young"}, ks)
+    assert seen["candidates"] == 3 and seen["decoding"] == 3 and seen["early"] == 1
+    assert seen["k"] == {k: list(ks.values()).count(k) for k in sorted(set(ks.values()))}
+    low, median, high = seen["alpha"]  # type: ignore[misc]
+    assert low == pytest.approx(policy.early_rate(), abs=1e-4) and low < median <= high
+    assert seen["catch_up"] == [1.0, 1.0, 3.0]
+    assert seen["target_cost_ms"] == [pytest.approx(policy.target_cost.intercept * 1e3, abs=1e-4),
+                                      pytest.approx(policy.target_cost.slope * 1e3, abs=1e-4)]
+
+
+def test_the_speculator_traces_each_choice_when_asked() -> None:
+    speculator = Speculator(SpeculativeConfig(enabled=True, method="ngram", num_draft_tokens=4), _Drafts(), 512)
+    reqs = []
+    for i in range(3):
+        req = Request(f"r{i}", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=64), eos_token_ids=[],
+                      max_model_len=512, tokenizer=None, default_seed=0)
+        req.append_output_tokens([9] * 4)
+        req.num_computed_tokens = req.num_tokens - 1
+        reqs.append(req)
+
+    class _Scheduler:
+        running = reqs
+        waiting: list[Request] = []
+
+    speculator.policy.choose = lambda candidates, *a, **k: {r: (2 if r == "r1" else 0)  # type: ignore
+                                                              for r in candidates}
+    speculator.propose_next(_Scheduler())  # type: ignore[arg-type]  # no trace set: nothing to call
+    traced: list[dict[str, object]] = []
+    speculator.trace = traced.append
+    for r in reqs:
+        r.spec_token_ids = []
+    speculator.propose_next(_Scheduler())  # type: ignore[arg-type]
+    assert len(traced) == 1
+    assert traced[0]["candidates"] == 3 and traced[0]["k"] == {0: 2, 2: 1} and traced[0]["early"] == 0

@@ -37,11 +37,19 @@ def test_the_spec_bench_without_the_policy_drafts_k_and_splits_the_c1_step() -> 
     from serving.demo import draft_path, target_path
     from serving.engine.spec.benchmark import run_spec_benchmark
 
-    report = run_spec_benchmark(target_path(), draft_path(), [1], output_len=24, num_prompts=2, k=4, threads=1,
-                                baselines=False, repeats=1, adaptive=False, draft_rollout="on")
+    trace: list[dict[str, Any]] = []
+    report = run_spec_benchmark(target_path(), draft_path(), [1, 2], output_len=24, num_prompts=2, k=4, threads=1,
+                                baselines=False, repeats=1, adaptive=False, draft_rollout="on", policy_trace=trace)
     assert report.adaptive is False and report.greedy_identical
+    # --trace-policy: every choice of both speculating engines, labelled with the bench phase it was made in
+    phases = ("warm-up", "c1-latency", "throughput-c1", "throughput-c2")
+    assert {(r["system"], r["phase"]) for r in trace} == {(s, p) for s in ("draft", "ngram") for p in phases} | {
+        ("draft", "c1-profile")}  # the step split profiles spec off and the draft engine
+    assert all(sum(r["k"].values()) == r["candidates"] for r in trace)
     assert report.draft_rollout is not None and report.draft_rollout["enabled"] and report.draft_rollouts > 0
     hist = report.c1_draft_k_histogram
+    c1_draft = [r for r in trace if r["system"] == "draft" and r["phase"] == "c1-latency"]
+    assert sum(r["k"].get(4, 0) for r in c1_draft) == hist[4]  # the trace saw every c=1 choice the report counts
     assert max(hist) == 4 and sum(v for k, v in hist.items() if k != 4) <= 2, hist  # one capped step a request
     off, draft = report.c1_step_split["spec_off"], report.c1_step_split["spec_draft"]
     assert off["steps"] >= 2 * 24 and off["drafting_ms"] == 0.0
