@@ -17,6 +17,7 @@ import torch
 from serving.engine.batch import SequenceInput, build_forward_batch
 from serving.engine.kv_cache import BlockManager, KVCache
 from serving.engine.model import Transformer
+from serving.engine.sampling import greedy_tokens
 
 
 def interleaved_medians(variants: Sequence[Callable[[], float]], rounds: int, min_rounds: int | None = None,
@@ -50,6 +51,6 @@ def forward_seconds(model: Transformer, context: int, new_tokens: int, repeats: 
         start = time.perf_counter()
         batch = build_forward_batch([SequenceInput(tokens, context, blocks.block_table("s"),
                                                    list(range(new_tokens)))], block_size, args.n_rep, device, dtype)
-        model.compute_logits(model(batch, cache), batch.logits_index).argmax(-1).tolist()
+        greedy_tokens(model.compute_logits(model(batch, cache), batch.logits_index)).tolist()
         times.append(time.perf_counter() - start)
     return statistics.median(times)

@@ -32,7 +32,7 @@ from serving.engine.loader import load_model, read_model_args
 from serving.engine.logits import adjust_logits
 from serving.engine.model import ModelArgs, Transformer
 from serving.engine.request import Request
-from serving.engine.sampling import SamplingRows, draw_uniforms, logits_to_probs, sample_from_probs
+from serving.engine.sampling import SamplingRows, draw_uniforms, greedy_tokens, logits_to_probs, sample_from_probs
 from serving.engine.spec.proposer import Proposals
 from serving.engine.spec.rollout import MAX_LAG, DraftRollout, RolloutDecision, prepare
 
@@ -259,13 +259,13 @@ class DraftModelProposer:
             logits = adjust_logits(logits, [r.params for r in reqs],
                                    [r.output_token_ids + drafts.tokens.get(r.request_id, []) for r in reqs])
         if all(r.params.greedy for r in reqs):
-            tokens = logits.argmax(dim=-1).tolist()
+            tokens = greedy_tokens(logits).tolist()
         else:
             rows = SamplingRows.from_params([r.params for r in reqs], self.model.args.vocab_size, self.device)
             q = logits_to_probs(logits, rows)
             uniforms = draw_uniforms([r.generator for r in reqs], [1] * len(reqs), self.device)
             sampled = sample_from_probs(q, uniforms)
-            tokens = torch.where(rows.greedy, logits.argmax(dim=-1), sampled).tolist()
+            tokens = torch.where(rows.greedy, greedy_tokens(logits), sampled).tolist()
             for i, r in enumerate(reqs):
                 if not r.params.greedy:
                     probs[r.request_id].append(q[i])

@@ -16,7 +16,7 @@ from serving.engine.config import SpeculativeConfig
 from serving.engine.grammar import mask_verify_rows
 from serving.engine.logits import adjust_logits
 from serving.engine.request import Request
-from serving.engine.sampling import SamplingRows, logits_to_probs
+from serving.engine.sampling import SamplingRows, greedy_tokens, logits_to_probs
 from serving.engine.scheduler import Scheduler, SchedulerOutput
 from serving.engine.spec.policy import EARLY_OUTPUTS, SpeculationPolicy
 from serving.engine.spec.proposer import Proposals, Proposer
@@ -138,14 +138,14 @@ class Speculator:
                 [r.output_token_ids + d[:j] for r, d, n in zip(reqs, drafts, lengths, strict=True) for j in range(n)],
             )
         if all(r.params.greedy for r in reqs):
-            argmax = verify_logits.argmax(dim=-1).split(lengths)
+            argmax = greedy_tokens(verify_logits).split(lengths)
             return [verify_greedy(a.tolist(), d) for a, d in zip(argmax, drafts, strict=True)]
         row_params = [r.params for r, n in zip(reqs, lengths, strict=True) for _ in range(n)]
         probs = logits_to_probs(verify_logits, SamplingRows.from_params(row_params, logits.shape[-1], logits.device))
         out: list[list[int]] = []
         for p, req, d in zip(probs.split(lengths), reqs, drafts, strict=True):
             if req.params.greedy:
-                out.append(verify_greedy(p.argmax(dim=-1).tolist(), d))
+                out.append(verify_greedy(greedy_tokens(p).tolist(), d))
                 continue
             q = self._draft_probs.pop(req.request_id, None)
             out.append(rejection_sample(p, d, q[: len(d)] if q is not None else None, req.generator))
