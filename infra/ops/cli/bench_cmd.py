@@ -329,15 +329,19 @@ def _print_spec_tables(report: Any) -> None:
         ms = {name: value * 1e3 for name, value in ceiling.items() if name.endswith("_s")}
         console.print(f"ceiling at full acceptance: draft {ceiling['draft_ceiling_speedup']:.2f}x, n-gram "
                       f"{ceiling['ngram_ceiling_speedup']:.2f}x (decode {ms['target_decode_step_s']:.1f} ms, "
-                      f"verify k+1 {ms['target_verify_step_s']:.1f} ms, draft step {ms['draft_step_s']:.1f} ms)")
+                      f"verify k+1 {ms['target_verify_step_s']:.1f} ms, drafting k {ms['drafting_s']:.1f} ms "
+                      + ("as one compiled rollout" if ceiling.get("draft_rollout_s") else "as eager draft steps")
+                      + f"; an eager draft step {ms['draft_step_s']:.2f} ms)")
     if report.draft_alpha:
         alpha = " ".join(f"{a:.2f}" for a in report.draft_alpha)
         console.print(f"draft acceptance per position (alpha, greedy, teacher-forced on the target's outputs): {alpha}")
     if ceiling and "draft_cost_per_token_s" in ceiling:
         console.print(f"cost per token: draft {ceiling['draft_cost_per_token_s'] * 1e3:.2f} ms, verify "
                       f"{ceiling['verify_cost_per_token_s'] * 1e3:.2f} ms, plain decode "
-                      f"{ceiling['target_decode_step_s'] * 1e3:.2f} ms; expected at measured alpha and k="
-                      f"{report.num_draft_tokens}: {ceiling.get('draft_expected_speedup_at_alpha', 0.0):.2f}x")
+                      f"{ceiling['target_decode_step_s'] * 1e3:.2f} ms; expected at k={report.num_draft_tokens}: "
+                      f"{ceiling.get('draft_expected_speedup_at_alpha', 0.0):.2f}x with "
+                      f"{ceiling.get('draft_tokens_per_round', 0.0):.2f} tokens a round (greedy speculation replayed "
+                      "over the target's outputs; prefill and the engine's per-step work left out)")
     if report.c1_draft_k_histogram:
         hist = " ".join(f"{k}:{v}" for k, v in sorted(report.c1_draft_k_histogram.items()))
         console.print(f"k chosen at c=1 (draft): {hist}")

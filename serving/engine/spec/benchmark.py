@@ -22,6 +22,8 @@ from serving.engine.config import CompileMode, DType, EngineConfig, SpeculativeC
 from serving.engine.engine import LLMEngine
 from serving.engine.kv_cache import BlockManager, KVCache
 from serving.engine.model import Transformer
+from serving.engine.sampling import greedy_tokens
+from serving.engine.spec.rollout import DraftRollout
 from serving.engine.step_profile import profile_steps
 from serving.engine.timing import forward_seconds
 from serving.engine.types import GenerationRequest, SamplingParams
@@ -205,43 +207,69 @@ def run_hf(model: Any, system: str, prompts: list[list[int]], output_len: int, *
                       percentile(latencies, 99) or 0.0)
 
 
-def measure_ceiling(target: Transformer, draft: Transformer | None, k: int, context: int = 128) -> dict[str, float]:
-    """Speed-up at full acceptance: (k + 1) decode steps replaced by one verify of k + 1 tokens + k draft steps."""
+def measure_ceiling(target: Transformer, draft: Transformer | None, k: int, context: int = 128,
+                    rollout: DraftRollout | None = None) -> dict[str, float]:
+    """Speed-up at full acceptance: (k + 1) decode steps replaced by one verify of k + 1 tokens and the drafting
+    of k tokens: k eager draft steps, or, where the draft's compiled rollout serves a lone sequence (the c=1
+    path), one rollout. Priced with eager steps only, the rollout's c=1 figures read below what was measured."""
     decode = forward_seconds(target, context, 1)
     verify = forward_seconds(target, context, k + 1)
     draft_step = forward_seconds(draft, context, 1) if draft is not None else 0.0
+    drafting = rollout_seconds(rollout, context) if rollout is not None else k * draft_step
     return {
         "target_decode_step_s": decode,
         "target_verify_step_s": verify,
         "draft_step_s": draft_step,
-        "draft_cost_per_token_s": draft_step,  # one draft forward per drafted token
+        "draft_rollout_s": drafting if rollout is not None else 0.0,  # 0: no rollout, drafts are eager steps
+        "drafting_s": drafting,  # k drafts for one sequence, as the c=1 path drafts them
+        "draft_cost_per_token_s": drafting / k,
         "verify_cost_per_token_s": verify / (k + 1),
-        "draft_ceiling_speedup": (k + 1) * decode / (verify + k * draft_step),
+        "draft_ceiling_speedup": (k + 1) * decode / (verify + drafting),
         "ngram_ceiling_speedup": (k + 1) * decode / verify,
     }
 
 
 @torch.inference_mode()
-def measure_alpha(draft: Transformer, prompts: list[list[int]], outputs: list[list[int]], k: int) -> list[float]:
-    """Acceptance per draft position for greedy speculation: one teacher-forced draft forward per prompt over
-    the target's greedy continuation; position i of a round starting at t is accepted when the draft's argmax
-    agrees with the target at t .. t + i. alpha[i] = rounds reaching i + 1 / rounds reaching i."""
+def rollout_seconds(rollout: DraftRollout, context: int, repeats: int = 7) -> float:
+    """One compiled rollout for one sequence with `context` cached tokens: the median of `repeats`."""
+    inputs = rollout.inputs(1, context)
+    rollout(inputs)[0].tolist()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        rollout(inputs)[0].tolist()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def draft_agreement(draft: Transformer, prompt: list[int], out: list[int]) -> list[bool]:
+    """agree[i]: the draft's greedy token after prompt + out[:i] is out[i] (one teacher-forced forward)."""
     args = draft.args
     device, dtype = draft.tok_embeddings.weight.device, draft.tok_embeddings.weight.dtype
+    tokens = prompt + out[:-1]
+    blocks = BlockManager(-(-len(tokens) // 16), 16)
+    cache = KVCache(args.n_layers, blocks.num_blocks, 16, args.n_kv_heads, args.head_dim, dtype, device)
+    blocks.allocate("s", len(tokens))
+    rows = list(range(len(prompt) - 1, len(tokens)))  # logits predicting out[0], out[1], ...
+    batch = build_forward_batch([SequenceInput(tokens, 0, blocks.block_table("s"), rows)], 16, args.n_rep,
+                                device, dtype)
+    guesses = greedy_tokens(draft.compute_logits(draft(batch, cache), batch.logits_index)).cpu()
+    return (guesses == torch.tensor(out)).tolist()
+
+
+def measure_alpha(draft: Transformer, prompts: list[list[int]], outputs: list[list[int]], k: int) -> list[float]:
+    """Acceptance per draft position for greedy speculation, teacher-forced on the target's greedy continuation:
+    position i of a round starting at t is accepted when the draft's argmax agrees with the target at t .. t + i.
+    alpha[i] = rounds reaching i + 1 / rounds reaching i, over a round starting at every t."""
+    return alpha_per_position([draft_agreement(draft, p, o) for p, o in zip(prompts, outputs, strict=True)
+                               if len(o) >= 2], k)
+
+
+def alpha_per_position(agreements: list[list[bool]], k: int) -> list[float]:
     reached = [0] * (k + 1)  # reached[i]: round starts whose first i drafts were all accepted
-    for prompt, out in zip(prompts, outputs, strict=True):
-        if len(out) < 2:
-            continue
-        tokens = prompt + out[:-1]
-        blocks = BlockManager(-(-len(tokens) // 16), 16)
-        cache = KVCache(args.n_layers, blocks.num_blocks, 16, args.n_kv_heads, args.head_dim, dtype, device)
-        blocks.allocate("s", len(tokens))
-        rows = list(range(len(prompt) - 1, len(tokens)))  # logits predicting out[0], out[1], ...
-        batch = build_forward_batch([SequenceInput(tokens, 0, blocks.block_table("s"), rows)], 16, args.n_rep,
-                                    device, dtype)
-        agree = (draft.compute_logits(draft(batch, cache), batch.logits_index).argmax(-1).cpu()
-                 == torch.tensor(out)).tolist()
-        for start in range(len(out) - k):
+    for agree in agreements:
+        for start in range(len(agree) - k):
             run = 0
             while run < k and agree[start + run]:
                 run += 1
@@ -250,13 +278,38 @@ def measure_alpha(draft: Transformer, prompts: list[list[int]], outputs: list[li
     return [reached[i + 1] / reached[i] if reached[i] else 0.0 for i in range(k)]
 
 
-def expected_speedup(alpha: list[float], k: int, ceiling: dict[str, float]) -> float:
-    """Speed-up at c=1 with k drafts per round at the measured alpha: tokens per round / cost of a round."""
+def tokens_per_round(agreements: list[list[bool]], k: int) -> float:
+    """Tokens a greedy round of k drafts emits on average (accepted drafts and the target's own token), replaying
+    speculation over the target's outputs as the engine runs it: the prefill emits out[0], a round starting at t
+    accepts the drafts that agree from t on (at most k, and none past the output's end) and emits one more, and
+    the next round starts after it. As the engine's mean accepted length, it counts rounds that drafted. Exact
+    for greedy drafts at a fixed k, since accepted drafts are the target's tokens and the draft then sees the same
+    prefix as in the teacher-forced forward. Rounds start after rejections, where agreement is lower, so this is
+    below the product of alpha per position, which counts a round starting at every t."""
+    tokens = rounds = 0
+    for agree in agreements:
+        t = 1
+        while t < len(agree) - 1:  # a last token alone is a plain decode step: no room for a draft
+            run = 0
+            while run < k and t + run < len(agree) - 1 and agree[t + run]:
+                run += 1
+            tokens += run + 1
+            rounds += 1
+            t += run + 1
+    return tokens / rounds if rounds else 0.0
+
+
+def expected_speedup(alpha: list[float], k: int, ceiling: dict[str, float], round_tokens: float | None = None
+                     ) -> float:
+    """Speed-up at c=1 with k drafts per round: tokens per round (round_tokens where replayed, else from alpha per
+    position) / cost of a round, in decode steps. Prefill and the engine's own per-step work are not in it."""
     tokens, accepted_all = 1.0, 1.0
     for a in alpha[:k]:
         accepted_all *= a
         tokens += accepted_all
-    cost = ceiling["target_verify_step_s"] + k * ceiling["draft_step_s"]
+    if round_tokens is not None:
+        tokens = round_tokens
+    cost = ceiling["target_verify_step_s"] + ceiling.get("drafting_s", k * ceiling["draft_step_s"])
     return tokens * ceiling["target_decode_step_s"] / cost if cost else 0.0
 
 
@@ -369,10 +422,16 @@ def run_spec_benchmark(
     proposer = on_draft.speculator.proposer if on_draft.speculator else None
     draft_model = getattr(proposer, "model", None)
     report.draft_rollouts = getattr(proposer, "rollouts_total", 0)
-    report.ceiling = measure_ceiling(off.model, draft_model, k)
+    report.ceiling = measure_ceiling(off.model, draft_model, k, rollout=getattr(proposer, "rollout", None))
     if draft_model is not None:
-        report.draft_alpha = measure_alpha(draft_model, prompts, outputs["spec_off"][: len(prompts)], k)
-        report.ceiling["draft_expected_speedup_at_alpha"] = expected_speedup(report.draft_alpha, k, report.ceiling)
+        first_pass = outputs["spec_off"][: len(prompts)]
+        agreements = [draft_agreement(draft_model, p, o) for p, o in zip(prompts, first_pass, strict=True)
+                      if len(o) >= 2]
+        report.draft_alpha = alpha_per_position(agreements, k)
+        round_tokens = tokens_per_round(agreements, k)
+        report.ceiling["draft_tokens_per_round"] = round_tokens  # replayed at k, greedy
+        report.ceiling["draft_expected_speedup_at_alpha"] = expected_speedup(report.draft_alpha, k, report.ceiling,
+                                                                             round_tokens)
     report.ratios = spec_ratios(report)
     return report
 

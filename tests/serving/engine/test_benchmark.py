@@ -103,6 +103,9 @@ def test_bench_spec_passes_dtype_and_weight_packing_to_every_engine(tmp_path: Pa
     assert report["draft_rollout"] == {**report["draft_rollout"], "enabled": False,
                                        "reason": "speculative.draft_rollout is off"}
     assert report["draft_rollouts"] == 0
+    ceiling = report["ceiling"]  # no rollout: k eager draft steps (bench spec's --k default)
+    assert ceiling["draft_rollout_s"] == 0.0
+    assert ceiling["drafting_s"] == pytest.approx(report["num_draft_tokens"] * ceiling["draft_step_s"])
 
 
 def test_bench_spec_refuses_a_trace_file_in_a_missing_directory_before_running(tmp_path: Path,

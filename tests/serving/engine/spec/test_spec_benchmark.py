@@ -5,7 +5,12 @@ from typing import Any
 
 import pytest
 
-from serving.engine.spec.benchmark import expected_speedup, measure_alpha
+from serving.engine.spec.benchmark import (
+    alpha_per_position,
+    expected_speedup,
+    measure_alpha,
+    tokens_per_round,
+)
 from serving.engine.types import SamplingParams
 
 
@@ -27,6 +32,8 @@ def test_expected_speedup_at_alpha() -> None:
     # k = 2, alpha 0.5 then 0.5: 1 + 0.5 + 0.25 tokens per round, a round costs 1.5 + 2 * 0.25
     assert expected_speedup([0.5, 0.5, 0.9], 2, ceiling) == pytest.approx(1.75 / 2.0)
     assert expected_speedup([1.0, 1.0], 2, ceiling) == pytest.approx(3 / 2.0)
+    # drafting priced as one compiled rollout (the c=1 path) where the draft has one
+    assert expected_speedup([1.0, 1.0], 2, {**ceiling, "drafting_s": 0.1}) == pytest.approx(3 / 1.6)
 
 
 @pytest.mark.slow
@@ -51,6 +58,10 @@ def test_the_spec_bench_without_the_policy_drafts_k_and_splits_the_c1_step() -> 
     c1_draft = [r for r in trace if r["system"] == "draft" and r["phase"] == "c1-latency"]
     assert sum(r["k"].get(4, 0) for r in c1_draft) == hist[4]  # the trace saw every c=1 choice the report counts
     assert max(hist) == 4 and sum(v for k, v in hist.items() if k != 4) <= 2, hist  # one capped step a request
+    ceiling = report.ceiling  # drafting priced as the c=1 path drafts: one rollout, not k eager steps
+    assert ceiling["drafting_s"] == ceiling["draft_rollout_s"] > 0
+    assert ceiling["draft_ceiling_speedup"] == pytest.approx(
+        5 * ceiling["target_decode_step_s"] / (ceiling["target_verify_step_s"] + ceiling["drafting_s"]))
     off, draft = report.c1_step_split["spec_off"], report.c1_step_split["spec_draft"]
     assert off["steps"] >= 2 * 24 and off["drafting_ms"] == 0.0
     assert 0 < draft["steps"] < off["steps"] and draft["drafting_ms"] > 0.0
@@ -81,3 +92,46 @@ def test_interleaved_c1_runs_every_prompt_on_every_engine_back_to_back(kit: Any,
     assert outputs["a"] == outputs["b"] and [len(o) for o in outputs["a"]] == [6] * 6  # both rounds, prompt by prompt
     assert outputs["a"][:3] == outputs["a"][3:]
     assert len(paired) == 6 and all(p > 0 for p in paired)
+
+
+def test_tokens_per_round_replays_greedy_speculation_over_the_outputs() -> None:
+    T, F = True, False
+    # out[0] comes from the prefill; rounds of k = 3 start at 1: [1, 2, 3] accepted + 1 -> 4 tokens (1..4); at 5:
+    # rejected at once -> 1 token; at 6: 1 accepted (6), 7 rejected -> 2 tokens (6, 7); the last token (8) alone is
+    # a plain decode step, no round
+    agree = [F, T, T, T, F, F, T, F, T]
+    assert tokens_per_round([agree], 3) == pytest.approx((4 + 1 + 2) / 3)
+    assert tokens_per_round([[T] * 9], 3) == pytest.approx(8 / 2)  # 1..4, then 5..8: never past the end
+    assert tokens_per_round([[T] * 9], 12) == pytest.approx(8 / 1)
+    # rounds start after rejections: below what a round starting at every t (alpha per position) predicts
+    clustered = [F] + [T] * 8 + [F, F, F, T, F, F, T] * 4
+    alpha = alpha_per_position([clustered], 4)
+    predicted, reach = 1.0, 1.0
+    for a in alpha:
+        reach *= a
+        predicted += reach
+    assert tokens_per_round([clustered], 4) < predicted
+
+
+@pytest.mark.slow
+def test_the_replayed_round_length_is_what_the_engine_does_at_fixed_k() -> None:
+    """Greedy, k fixed (no policy), the rollout off: the engine's mean accepted length equals the replay's."""
+    from serving.demo import draft_path, target_path
+    from serving.engine.config import EngineConfig, SpeculativeConfig
+    from serving.engine.engine import LLMEngine
+    from serving.engine.spec.benchmark import draft_agreement, load_prompts, run_sequential
+
+    def engine(spec: SpeculativeConfig) -> LLMEngine:
+        return LLMEngine.from_config(EngineConfig(model=str(target_path()), device="cpu", kv_cache_bytes=32 * 2**20,
+                                                  num_threads=1, speculative=spec))
+
+    off = engine(SpeculativeConfig(enabled=False))
+    prompts = load_prompts(off.tokenizer, 3)
+    outputs: list[list[int]] = []
+    run_sequential(off, "off", prompts, 40, outputs)
+    on = engine(SpeculativeConfig(enabled=True, method="draft", draft_model=str(draft_path()), num_draft_tokens=4,
+                                  adaptive=False, draft_rollout="off"))
+    run = run_sequential(on, "draft", prompts, 40)
+    draft = on.speculator.proposer.model  # type: ignore[union-attr]
+    replayed = tokens_per_round([draft_agreement(draft, p, o) for p, o in zip(prompts, outputs, strict=True)], 4)
+    assert run.mean_accepted_length == pytest.approx(replayed)
