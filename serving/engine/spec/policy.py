@@ -260,8 +260,9 @@ class SpeculationPolicy:
         acceptance rises with depth). Measured at 16 sequences of the demo pair, one process: the position-by-
         position choice (1.5 drafts a sequence) ran at 0.88-0.93x spec-off where every sequence at k = 6 ran at
         1.14-1.22x, and with this plan weighed too 0.98-1.04x. In `bench spec`'s closed batches it did not lift
-        c=16 (0.87-0.99x over eleven runs): there the estimates after a batch's first verifications keep every
-        plan below the bar (docs/engine.md)."""
+        c=16 (0.87-0.99x over eleven runs on one host): there a batch's first verifications pulled every estimate
+        below the bar, which early drafts' own population (observe_verifications) has since addressed; on the
+        host that showed it this is not re-measured (docs/engine.md)."""
         # plans as a [k, m] grid: row k - 1 has every candidate drafting min(k, its cap), summed over the first m
         alpha = np.array([alphas[r] for r in order])
         caps = np.array([candidates[r] for r in order])
@@ -272,11 +273,10 @@ class SpeculationPolicy:
         m = np.arange(1, len(order) + 1)[None, :]
         target, draft = self.target_cost, self.draft_cost
         seconds = target.intercept + target.slope * (num_decodes + verify) + self.sequence_cost.slope * m
-        if self.uses_draft_model:
-            fed = np.cumsum([catch_up.get(r, 1.0) for r in order])[None, :]
-            later_forwards = np.arange(self.max_k)[:, None]  # k - 1 forwards of m tokens after the catch-up's
-            per_forward = draft.intercept + draft.slope * m
-            seconds = seconds + draft.intercept + draft.slope * fed + later_forwards * per_forward
+        fed = np.cumsum([catch_up.get(r, 1.0) for r in order])[None, :]
+        later_forwards = np.arange(self.max_k)[:, None]  # k - 1 forwards of m tokens after the catch-up's
+        per_forward = draft.intercept + draft.slope * m
+        seconds = seconds + draft.intercept + draft.slope * fed + later_forwards * per_forward
         plan_rate = (num_decodes + gain) / seconds
         k_best, m_best = np.unravel_index(int(np.argmax(plan_rate)), plan_rate.shape)
         if plan_rate[k_best, m_best] <= rate:

@@ -7,17 +7,9 @@ estimate from 0.97 to ~0.65 and the batch stopped speculating for good."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
-from serving.engine.config import SpeculativeConfig
-from serving.engine.request import Request
-from serving.engine.scheduler import SchedulerOutput
-from serving.engine.spec.policy import EARLY_OUTPUTS, SpeculationPolicy
-from serving.engine.spec.proposer import Proposals
-from serving.engine.spec.speculator import Speculator
-from serving.engine.types import SamplingParams
+from serving.engine.spec.policy import SpeculationPolicy
 
 
 def _steady(policy: SpeculationPolicy, steps: int = 40, width: int = 16) -> None:
@@ -78,58 +70,6 @@ def test_an_early_candidate_is_weighed_at_the_early_rate() -> None:
     assert ks["young"] < ks["old"]
 
 
-class _Drafts:
-    """Drafts k copies of token 1 for every request asked."""
-
-    uses_model = False
-
-    def propose(self, reqs: list[Request], ks: dict[str, int]) -> Proposals:
-        return Proposals({r.request_id: [1] * ks[r.request_id] for r in reqs})
-
-    def lag(self, req: Request) -> int:
-        return 1
-
-    def fixed_draft_seconds(self, req: Request) -> float | None:
-        return None
-
-    def rollback(self, req_id: str, num_tokens: int) -> None:
-        pass
-
-    def release(self, req_id: str) -> None:
-        pass
-
-
-def test_the_speculator_marks_drafts_proposed_before_early_outputs_tokens_as_early() -> None:
-    speculator = Speculator(SpeculativeConfig(enabled=True, method="ngram", num_draft_tokens=4), _Drafts(), 512)
-    reqs = []
-    for i, outputs in enumerate((EARLY_OUTPUTS - 1, EARLY_OUTPUTS)):
-        req = Request(f"r{i}", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=64), eos_token_ids=[],
-                      max_model_len=512, tokenizer=None, default_seed=0)
-        req.append_output_tokens([9] * outputs)
-        req.num_computed_tokens = req.num_tokens - 1
-        reqs.append(req)
-
-    class _Scheduler:
-        running = reqs
-        waiting: list[Request] = []
-
-    seen: list[set[str]] = []
-    verified: list[Any] = []
-
-    def choose(candidates: dict[str, int], *args: Any, early: Any = frozenset(), **kwargs: Any) -> dict[str, int]:
-        seen.append(set(args[4]) if len(args) > 4 else set(early))
-        return dict.fromkeys(candidates, 2)
-
-    speculator.policy.choose = choose  # type: ignore[method-assign]
-    speculator.policy.observe_verifications = verified.extend  # type: ignore[method-assign,assignment]
-    speculator.propose_next(_Scheduler())  # type: ignore[arg-type]
-    assert seen == [{"r0"}]
-    drafts = {r.request_id: r.spec_token_ids for r in reqs}
-    sched = SchedulerOutput(reqs, {r.request_id: 3 for r in reqs}, drafts, 6, 0)
-    speculator.after_update(sched, {"r0": [1, 4], "r1": [1, 1, 4]}, 0.005)  # r0: 1 of 2 accepted, r1: 2 of 2
-    assert verified == [("r0", 1, 2, True), ("r1", 2, 2, False)]
-
-
 def test_describe_reports_what_a_choice_saw_and_chose() -> None:
     policy = SpeculationPolicy(max_k=8)
     _cheap_steps(policy)
@@ -147,28 +87,3 @@ def test_describe_reports_what_a_choice_saw_and_chose() -> None:
     assert seen["target_cost_ms"] == [pytest.approx(policy.target_cost.intercept * 1e3, abs=1e-4),
                                       pytest.approx(policy.target_cost.slope * 1e3, abs=1e-4)]
 
-
-def test_the_speculator_traces_each_choice_when_asked() -> None:
-    speculator = Speculator(SpeculativeConfig(enabled=True, method="ngram", num_draft_tokens=4), _Drafts(), 512)
-    reqs = []
-    for i in range(3):
-        req = Request(f"r{i}", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=64), eos_token_ids=[],
-                      max_model_len=512, tokenizer=None, default_seed=0)
-        req.append_output_tokens([9] * 4)
-        req.num_computed_tokens = req.num_tokens - 1
-        reqs.append(req)
-
-    class _Scheduler:
-        running = reqs
-        waiting: list[Request] = []
-
-    speculator.policy.choose = lambda candidates, *a, **k: {r: (2 if r == "r1" else 0)  # type: ignore
-                                                              for r in candidates}
-    speculator.propose_next(_Scheduler())  # type: ignore[arg-type]  # no trace set: nothing to call
-    traced: list[dict[str, object]] = []
-    speculator.trace = traced.append
-    for r in reqs:
-        r.spec_token_ids = []
-    speculator.propose_next(_Scheduler())  # type: ignore[arg-type]
-    assert len(traced) == 1
-    assert traced[0]["candidates"] == 3 and traced[0]["k"] == {0: 2, 2: 1} and traced[0]["early"] == 0

@@ -14,9 +14,11 @@ import pytest
 from serving.engine.config import SpeculativeConfig
 from serving.engine.engine import LLMEngine
 from serving.engine.request import Request
+from serving.engine.scheduler import SchedulerOutput
 from serving.engine.spec import speculator as speculator_module
 from serving.engine.spec.draft import DraftModelProposer
 from serving.engine.spec.ngram import NgramProposer
+from serving.engine.spec.policy import EARLY_OUTPUTS
 from serving.engine.spec.proposer import Proposals, Proposer
 from serving.engine.spec.speculator import Speculator
 from serving.engine.types import SamplingParams
@@ -115,12 +117,14 @@ class _Recording:
         pass
 
 
-def _decoding(n: int) -> Any:
-    """A scheduler stand-in with n requests decoding (their prompt computed, one token to go)."""
+def _decoding(n: int, outputs: list[int] | None = None) -> Any:
+    """A scheduler stand-in with n requests decoding (their prompt computed, one token to go); request i has
+    outputs[i] output tokens already (default none)."""
     reqs = []
     for i in range(n):
         req = Request(f"r{i}", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=64), eos_token_ids=[],
                       max_model_len=512, tokenizer=None, default_seed=0)
+        req.append_output_tokens([9] * (outputs[i] if outputs else 0))
         req.num_computed_tokens = req.num_tokens - 1
         reqs.append(req)
 
@@ -265,3 +269,40 @@ def test_the_speculators_own_work_per_sequence_is_measured_apart_from_draft_forw
         assert slope < 0.001
     else:
         assert 0.0035 < slope < 0.006
+
+
+def test_the_speculator_marks_drafts_proposed_before_early_outputs_tokens_as_early() -> None:
+    """Drafts proposed before a request's EARLY_OUTPUTS-th output token reach the policy as early, both when it
+    chooses k and when their verification is observed (SpeculationPolicy.observe_verifications)."""
+    speculator = Speculator(SpeculativeConfig(enabled=True, method="ngram", num_draft_tokens=4),
+                            _Recording(uses_model=False), 512)
+    scheduler, reqs = _decoding(2, [EARLY_OUTPUTS - 1, EARLY_OUTPUTS])
+    seen: list[set[str]] = []
+    verified: list[Any] = []
+
+    def choose(candidates: dict[str, int], *args: Any, **kwargs: Any) -> dict[str, int]:
+        seen.append(set(args[4]))  # (num_decodes, catch_up, flat, lags, early)
+        return dict.fromkeys(candidates, 2)
+
+    speculator.policy.choose = choose  # type: ignore[method-assign]
+    speculator.policy.observe_verifications = verified.extend  # type: ignore[method-assign,assignment]
+    speculator.propose_next(scheduler)
+    assert seen == [{"r0"}]
+    drafts = {r.request_id: r.spec_token_ids for r in reqs}
+    sched = SchedulerOutput(reqs, {r.request_id: 3 for r in reqs}, drafts, 6, 0)
+    speculator.after_update(sched, {"r0": [1, 4], "r1": [1, 1, 4]}, 0.005)  # r0: 1 of 2 accepted, r1: 2 of 2
+    assert verified == [("r0", 1, 2, True), ("r1", 2, 2, False)]
+
+
+def test_the_speculator_traces_each_choice_when_asked() -> None:
+    speculator = Speculator(SpeculativeConfig(enabled=True, method="ngram", num_draft_tokens=4),
+                            _Recording(uses_model=False), 512)
+    scheduler, reqs = _decoding(3, [4, 4, 4])
+    speculator.policy.choose = lambda candidates, *a, **k: {r: (2 if r == "r1" else 0)  # type: ignore
+                                                              for r in candidates}
+    speculator.propose_next(scheduler)  # no trace set: nothing to call
+    traced: list[dict[str, object]] = []
+    speculator.trace = traced.append
+    _verified_and_proposed_again(speculator, scheduler, reqs)
+    assert len(traced) == 1
+    assert traced[0]["candidates"] == 3 and traced[0]["k"] == {0: 2, 2: 1} and traced[0]["early"] == 0

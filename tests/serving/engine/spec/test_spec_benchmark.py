@@ -7,8 +7,8 @@ import pytest
 
 from serving.engine.spec.benchmark import (
     alpha_per_position,
+    draft_agreement,
     expected_speedup,
-    measure_alpha,
     tokens_per_round,
 )
 from serving.engine.types import SamplingParams
@@ -21,19 +21,18 @@ def test_alpha_is_one_for_a_draft_equal_to_the_target_and_lower_for_another(
     prompts = kit.random_prompts([12, 30, 7], seed=3)
     outputs = kit.run_to_completion(engine, prompts, [SamplingParams(temperature=0.0, max_tokens=16,
                                                                      ignore_eos=True)] * 3)
-    assert measure_alpha(engine.model, prompts, outputs, 4) == [1.0] * 4
+    same = [draft_agreement(engine.model, p, o) for p, o in zip(prompts, outputs, strict=True)]
+    assert all(all(agree) for agree in same) and alpha_per_position(same, 4) == [1.0] * 4
     other = kit.make_engine(qwen2_dir).model  # same vocabulary, different weights
-    alpha = measure_alpha(other, prompts, outputs, 4)
+    alpha = alpha_per_position([draft_agreement(other, p, o) for p, o in zip(prompts, outputs, strict=True)], 4)
     assert len(alpha) == 4 and all(0.0 <= a <= 1.0 for a in alpha) and alpha[0] < 0.5
 
 
-def test_expected_speedup_at_alpha() -> None:
-    ceiling = {"target_decode_step_s": 1.0, "target_verify_step_s": 1.5, "draft_step_s": 0.25}
-    # k = 2, alpha 0.5 then 0.5: 1 + 0.5 + 0.25 tokens per round, a round costs 1.5 + 2 * 0.25
-    assert expected_speedup([0.5, 0.5, 0.9], 2, ceiling) == pytest.approx(1.75 / 2.0)
-    assert expected_speedup([1.0, 1.0], 2, ceiling) == pytest.approx(3 / 2.0)
-    # drafting priced as one compiled rollout (the c=1 path) where the draft has one
-    assert expected_speedup([1.0, 1.0], 2, {**ceiling, "drafting_s": 0.1}) == pytest.approx(3 / 1.6)
+def test_expected_speedup_is_tokens_a_round_over_the_cost_of_a_round() -> None:
+    # decode steps of 1 s; a round: a verify of 1.5 s and the drafting (k eager steps or one rollout) of 0.5 s
+    ceiling = {"target_decode_step_s": 1.0, "target_verify_step_s": 1.5, "drafting_s": 0.5}
+    assert expected_speedup(1.75, ceiling) == pytest.approx(1.75 / 2.0)
+    assert expected_speedup(3.0, {**ceiling, "drafting_s": 0.1}) == pytest.approx(3 / 1.6)
 
 
 @pytest.mark.slow
