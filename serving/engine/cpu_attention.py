@@ -4,10 +4,11 @@ The CPU attention path gathers a group's context blocks into one `[G, Hkv, K, D]
 copy: every key and value is read, written, and read again. At 32 decoding sequences that was half of the demo
 target's step (4.6 of 9.3 ms). For groups of queries up to `model.KERNEL_MAX_QUERY` = 16 tokens per sequence
 (decode steps, and verify steps of up to 15 drafts) a small C++ kernel, `csrc/cpu_decode_attention.cpp`, reads
-each sequence's keys and values where they sit in the block pool instead: one pass for the scores of all query
-rows, one for the values; from 4 query tokens on, a tiled walk one KV head at a time (AVX2, head dim a multiple
-of 32). Measured through the model's own attention on the demo target (4 KV heads x 2, head dim 32, 16-token
-blocks, a KV cache larger than the CPU's caches, one thread), the kernel's time as a share of gather + SDPA's:
+each sequence's keys and values where they sit in the block pool instead: one pass over the context, block by
+block, with an online softmax (each block's keys, then its values); from 4 query tokens on, a tiled walk one KV
+head at a time (AVX2, head dim a multiple of 32). Measured through the model's own attention on the demo target
+(4 KV heads x 2, head dim 32, 16-token blocks, a KV cache larger than the CPU's caches, one thread, before the
+one-pass walk, which took another 4-16 % off), the kernel's time as a share of gather + SDPA's:
 0.30-0.47 for decode groups of 1-64 sequences, 0.50-0.74 at 3-9 query tokens of one sequence, 0.85-0.87 at
 13-16, and 0.54-0.92 at 3-16 tokens of 16 sequences (docs/engine.md). Prefill chunks keep gather + SDPA.
 
@@ -26,6 +27,10 @@ attention gathers.
   name. `off`: never.
 
 Outputs differ from SDPA's only in summation order and the exponential (a few 1e-7 relative).
+
+`python -m serving.engine.cpu_attention compare OTHER.cpp` builds this source and another version of it with the
+same compiler and flags and prints, per decode and verify shape, both times, their ratio and the largest
+difference between their outputs (how a change to the kernel is measured).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -118,7 +124,7 @@ def _cpu_identity() -> str:
     return "\n".join(_cpuinfo("model name", "flags", "Features")) or platform.processor() or platform.machine()
 
 
-def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> None:
+def _compile(compiler: str, flags: tuple[str, ...], target: Path, source: Path = SOURCE) -> None:
     """Compile the source to `target`, under a temporary name renamed at the end, so a concurrent or interrupted
     build never leaves a partial library where a loader would find it."""
     try:
@@ -128,15 +134,15 @@ def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> None:
     except OSError as e:
         raise KernelUnavailable(f"cannot write the kernel cache {target.parent}: {e} (set {CACHE_ENV})") from e
     try:
-        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", partial], capture_output=True, text=True,
+        done = subprocess.run([compiler, *flags, str(source), "-o", partial], capture_output=True, text=True,
                               timeout=300)
         if done.returncode != 0:
-            raise KernelUnavailable(f"{compiler} failed to build {SOURCE.name} (exit {done.returncode}): "
+            raise KernelUnavailable(f"{compiler} failed to build {source.name} (exit {done.returncode}): "
                                     f"{done.stderr.strip()[-500:]}")
         os.chmod(partial, 0o755)  # mkstemp makes it 0600: readable to other users (the image's server user)
         os.replace(partial, target)
     except subprocess.SubprocessError as e:
-        raise KernelUnavailable(f"{compiler} failed to build {SOURCE.name}: {e}") from e
+        raise KernelUnavailable(f"{compiler} failed to build {source.name}: {e}") from e
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
@@ -363,19 +369,112 @@ def choose(model: Transformer, name: str, mode: DecodeAttentionMode, reason_not:
     return decision
 
 
+# (what, KV heads, query heads per KV head, head dim, sequences, context, query tokens per sequence)
+COMPARE_SHAPES: tuple[tuple[str, int, int, int, int, int, int], ...] = (
+    ("demo target, decode", 4, 2, 32, 1, 160, 1),
+    ("demo target, decode", 4, 2, 32, 32, 160, 1),
+    ("demo target, decode", 4, 2, 32, 64, 160, 1),
+    ("demo target, verify 2", 4, 2, 32, 16, 160, 2),
+    ("demo target, verify 3", 4, 2, 32, 16, 160, 3),
+    ("demo target, verify 9", 4, 2, 32, 1, 160, 9),
+    ("Qwen2.5-0.5B-like, decode", 2, 7, 64, 8, 2000, 1),
+    ("Llama-8B-like, decode", 8, 4, 128, 16, 1024, 1),
+    ("Llama-8B-like, decode", 8, 4, 128, 4, 4096, 1),
+)
+
+
+@dataclass
+class Comparison:
+    shape: str
+    sequences: int
+    context: int
+    query: int
+    this_ms: float  # one call over one layer, median of interleaved rounds
+    other_ms: float
+    max_difference: float  # largest |this - other| over the outputs
+
+    @property
+    def ratio(self) -> float:
+        return self.this_ms / self.other_ms
+
+
+def compare(other_source: Path, shapes: tuple[tuple[str, int, int, int, int, int, int], ...] = COMPARE_SHAPES,
+            rounds: int = 15, calls: int = 3) -> list[Comparison]:
+    """Build this kernel and `other_source` (another version of the .cpp, e.g. from `git show`) with the same
+    compiler and flags, and time one call of each on each shape, interleaved (medians of `rounds` rounds of
+    `calls` calls), over a random cache whose sequences' blocks are scattered. Raises KernelUnavailable where a
+    build fails, FileNotFoundError where other_source is missing."""
+    if not other_source.is_file():
+        raise FileNotFoundError(f"no kernel source at {other_source}")
+    compiler = find_compiler()
+    if compiler is None:
+        raise KernelUnavailable(f"no C++ compiler on PATH (looked for {', '.join(COMPILERS)})")
+    with tempfile.TemporaryDirectory(prefix="specdeploy-compare-") as tmp:
+        this_path, other_path = Path(tmp) / "this.so", Path(tmp) / "other.so"
+        _compile(compiler, FLAGS, this_path)
+        _compile(compiler, FLAGS, other_path, other_source)
+        this, other = DecodeAttentionKernel(this_path), DecodeAttentionKernel(other_path, "other")
+        generator = torch.Generator().manual_seed(0)
+        return [_compare_shape(this, other, shape, generator, rounds, calls) for shape in shapes]
+
+
+def _compare_shape(this: DecodeAttentionKernel, other: DecodeAttentionKernel,
+                   shape: tuple[str, int, int, int, int, int, int], generator: torch.Generator, rounds: int,
+                   calls: int) -> Comparison:
+    """One shape of `compare`: a random cache holding exactly the sequences' blocks, in scattered order."""
+    name, hkv, n_rep, dim, seqs, context, query = shape
+    bs = 16
+    per_seq = -(-context // bs)
+    k = torch.randn(seqs * per_seq + 1, bs, hkv, dim, generator=generator) * 2
+    v = torch.randn(seqs * per_seq + 1, bs, hkv, dim, generator=generator)
+    tables = torch.randperm(k.shape[0], generator=generator)[: seqs * per_seq].view(seqs, per_seq)
+    q = torch.randn(seqs * query, hkv * n_rep, dim, generator=generator)
+    q_start = torch.full((seqs,), context - query, dtype=torch.int64)
+    lens = torch.full((seqs,), context, dtype=torch.int64)
+    scale = dim**-0.5
+    difference = (this(q, k, v, tables, q_start, lens, n_rep, scale)
+                  - other(q, k, v, tables, q_start, lens, n_rep, scale)).abs().max().item()
+
+    def timed(kernel: DecodeAttentionKernel) -> Callable[[], float]:
+        def run() -> float:
+            start = time.perf_counter()
+            for _ in range(calls):
+                kernel(q, k, v, tables, q_start, lens, n_rep, scale)
+            return (time.perf_counter() - start) / calls
+        return run
+
+    this_s, other_s = interleaved_medians([timed(this), timed(other)], rounds)
+    return Comparison(name, seqs, context, query, this_s * 1e3, other_s * 1e3, difference)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m serving.engine.cpu_attention prebuild DIR`: the portable builds, for an image's build stage."""
+    """`python -m serving.engine.cpu_attention prebuild DIR`: the portable builds, for an image's build stage.
+    `python -m serving.engine.cpu_attention compare OTHER.cpp`: this kernel's time over another version's."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m serving.engine.cpu_attention")
     actions = parser.add_subparsers(dest="action", required=True)
     action = actions.add_parser("prebuild", help="compile the portable builds for this architecture into DIR")
     action.add_argument("directory", type=Path)
+    action = actions.add_parser("compare", help="time this kernel against another version of its source, both "
+                                "built for this CPU, interleaved on decode and verify shapes (one layer a call)")
+    action.add_argument("other", type=Path, help="the other .cpp, e.g. git show REV:" + str(SOURCE.relative_to(
+        Path(__file__).parents[2])) + " > FILE")
+    action.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
     args = parser.parse_args(argv)
     try:
-        for path in prebuild(args.directory):
-            sys.stdout.write(f"{path}\n")
-    except KernelUnavailable as e:
+        if args.action == "prebuild":
+            for path in prebuild(args.directory):
+                sys.stdout.write(f"{path}\n")
+            return 0
+        if args.rounds < 1:
+            parser.exit(2, "error: --rounds must be at least 1\n")
+        sys.stdout.write(f"{'shape':28} {'seqs':>5} {'context':>7} {'query':>5} {'this ms':>9} {'other ms':>9} "
+                         f"{'this/other':>10} {'max diff':>9}\n")
+        for c in compare(args.other, rounds=args.rounds):
+            sys.stdout.write(f"{c.shape:28} {c.sequences:5d} {c.context:7d} {c.query:5d} {c.this_ms:9.3f} "
+                             f"{c.other_ms:9.3f} {c.ratio:10.3f} {c.max_difference:9.1e}\n")
+    except (KernelUnavailable, FileNotFoundError) as e:
         parser.exit(1, f"error: {e}\n")
     return 0
 

@@ -44,7 +44,7 @@ def reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table
         v = v_pool[tables[g]].reshape(-1, hkv, d)[:n].transpose(0, 1)
         for j in range(tokens):
             if int(q_start[g]) + j >= n:
-                rows.append(torch.zeros(q.shape[1] * d))
+                rows.append(torch.zeros(q.shape[1] * d, dtype=q.dtype))
                 continue
             seen = int(q_start[g]) + j + 1
             qj = q[g * tokens + j].reshape(hkv, n_rep, d)
@@ -85,6 +85,38 @@ def test_the_kernel_equals_gathered_sdpa(kernels: dict[str, DecodeAttentionKerne
     got = kernels[path](q, k_pool, v_pool, tables[:, : width - 1], q_start, lens, n_rep, head_dim**-0.5)
     want = reference(q, k_pool, v_pool, tables, q_start, lens, n_rep)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("path", ["native", "generic"])
+@pytest.mark.parametrize("profile", ["rising", "falling", "spike"])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_the_online_softmax_holds_when_a_later_block_has_the_largest_scores(
+    kernels: dict[str, DecodeAttentionKernel], path: str, profile: str, tokens: int
+) -> None:
+    """The decode walk keeps each row's maximum and sum as it goes, block by block, and rescales what it has added
+    when a later block's scores are larger: keys scaled so that the scores' spread grows along the context (the
+    maximum rises block after block), shrinks, or peaks in one middle block. Against SDPA in float64: in fp32 both
+    round exponentials of scores this large differently, by more than the tolerance (the previous two-pass kernel
+    as much as this one)."""
+    g = torch.Generator().manual_seed({"rising": 1, "falling": 2, "spike": 3}[profile] + 10 * tokens)
+    block_size, hkv, n_rep, d, length = 16, 2, 4, 32, 150
+    blocks = -(-length // block_size)
+    q = torch.randn(tokens, hkv * n_rep, d, generator=g)
+    k = torch.randn(blocks, block_size, hkv, d, generator=g)
+    position = torch.arange(blocks * block_size, dtype=torch.float32).view(blocks, block_size, 1, 1)
+    if profile == "rising":
+        k = k * (0.2 + position / 40)
+    elif profile == "falling":
+        k = k * (0.2 + (blocks * block_size - position) / 40)
+    else:
+        k[blocks // 2] *= 10
+    v = torch.randn(blocks, block_size, hkv, d, generator=g)
+    tables = torch.randperm(blocks, generator=g).view(1, blocks)
+    q_start, lens = torch.tensor([length - tokens]), torch.tensor([length])
+    got = kernels[path](q, k, v, tables, q_start, lens, n_rep, d**-0.5)
+    want = reference(q.double(), k.double(), v.double(), tables, q_start, lens, n_rep)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-6)
 
 
 def test_a_sequence_of_one_key(kernels: dict[str, DecodeAttentionKernel]) -> None:
@@ -355,3 +387,22 @@ def test_a_failed_build_falls_back_to_the_prebuilt_kernel(monkeypatch: pytest.Mo
             cpu_attention.load()
     finally:
         cpu_attention.load.cache_clear()
+
+
+def test_compare_times_two_builds_of_the_kernel_on_the_same_inputs(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """`compare OTHER.cpp`: both built, both run on each shape (here the source against itself, so the outputs
+    are identical), one row per shape; a missing file is named."""
+    shapes = (("tiny decode", 2, 2, 32, 3, 40, 1), ("tiny verify", 2, 2, 32, 2, 40, 3))
+    results = cpu_attention.compare(cpu_attention.SOURCE, shapes, rounds=1, calls=1)
+    assert [(r.shape, r.sequences, r.context, r.query) for r in results] == [
+        ("tiny decode", 3, 40, 1), ("tiny verify", 2, 40, 3)]
+    assert all(r.max_difference == 0.0 and r.this_ms > 0 and r.other_ms > 0 for r in results)
+    with pytest.raises(SystemExit) as exit_info:
+        cpu_attention.main(["compare", str(tmp_path / "missing.cpp")])
+    assert exit_info.value.code == 1 and "no kernel source at" in capsys.readouterr().err
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    with pytest.raises(SystemExit):
+        cpu_attention.main(["compare", str(broken)])
+    assert "failed to build broken.cpp" in capsys.readouterr().err
