@@ -12,8 +12,12 @@ from serving.demo.prompts import CATEGORIES, Prompt, load_prompts
 
 DEMO_DIR = Path(__file__).resolve().parent
 MODELS_DIR = DEMO_DIR / "models"
+# speculative.draft_token_map of the demo draft: its proposals restricted to the 1,024 most frequent tokens of the
+# target's training text (serving.demo.build_token_map, serving.engine.spec.token_map)
+DEMO_TOKEN_MAP = "token_map.json"
 
-__all__ = ["CATEGORIES", "DEMO_DIR", "Prompt", "draft_path", "load_prompts", "target_path", "tokenizer_path"]
+__all__ = ["CATEGORIES", "DEMO_DIR", "DEMO_TOKEN_MAP", "Prompt", "draft_path", "load_prompts", "target_path",
+           "tokenizer_path"]
 
 
 def target_path() -> Path:

@@ -475,7 +475,8 @@ def build_speculator(
         assert spec.draft_model is not None
         # as many draft blocks as target blocks: the draft never runs out before the target does
         proposer = DraftModelProposer.load(spec.draft_model, config.model, model.args, dtype, device,
-                                           model.max_model_len, num_blocks, config.kv_block_size)
+                                           model.max_model_len, num_blocks, config.kv_block_size,
+                                           spec.draft_token_map)
     return Speculator(spec, proposer, model.max_model_len)
 
 

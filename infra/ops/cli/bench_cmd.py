@@ -92,6 +92,10 @@ def register(subparsers: Any) -> None:
     spec.add_argument("--draft-rollout", choices=("auto", "on", "off"), default="auto",
                       help="speculative.draft_rollout of the draft engine (auto: the draft's catch-up and drafts as "
                            "one compiled graph on CPU where the start-up measurement finds it faster)")
+    spec.add_argument("--draft-token-map", metavar="NAME",
+                      help="speculative.draft_token_map of the draft engine: a token map file in the draft's "
+                           "directory (default: token_map.json for the demo draft, which ships one; none otherwise); "
+                           "'none' for the full vocabulary")
     spec.add_argument("--draft-rollout-wrapper", choices=("cpp", "python"), default="cpp",
                       help="speculative.draft_rollout_wrapper: what calls the rollout's compiled kernels (cpp: "
                            "inductor's C++ wrapper, ~40 s to compile the first time on a host; python: ~4 s)")
@@ -234,13 +238,20 @@ def _bench_spec(args: argparse.Namespace) -> int:
     if args.trace_policy is not None and not args.trace_policy.parent.is_dir():
         raise CommandError(f"--trace-policy {args.trace_policy}: directory {args.trace_policy.parent} does not exist")
     trace: list[dict[str, Any]] | None = [] if args.trace_policy is not None else None
+    token_map = args.draft_token_map
+    if token_map is None and args.draft is None:
+        from serving.demo import DEMO_TOKEN_MAP
+
+        token_map = DEMO_TOKEN_MAP
+    elif token_map == "none":
+        token_map = None
     report = run_spec_benchmark(_model_dir(args.target), _model_dir(args.draft, "draft"),
                                 _concurrencies(args.concurrency), args.output_len, args.prompts, args.k,
                                 args.threads, baselines=not args.no_baselines, repeats=max(args.repeats, 1),
                                 compile_mode=args.compile, adaptive=not args.no_adaptive, dtype=args.dtype,
                                 weight_packing=args.cpu_weight_packing, draft_rollout=args.draft_rollout,
                                 rollout_wrapper=args.draft_rollout_wrapper, decode_attention=args.cpu_decode_attention,
-                                policy_trace=trace)
+                                policy_trace=trace, draft_token_map=token_map)
     text = json.dumps(report.to_dict(), indent=2)
     sys.stdout.write(text + "\n")
     if args.json_out:
@@ -354,6 +365,9 @@ def _print_spec_tables(report: Any) -> None:
         state = "on" if report.draft_rollout["enabled"] else "off"
         console.print(f"draft rollout {state} ({report.draft_rollout['reason']}): {report.draft_rollouts} rollouts "
                       "over the whole bench")
+    if report.draft_token_map is not None:
+        console.print(f"draft token map {report.draft_token_map}: the draft proposes {report.draft_token_map_size} "
+                      "tokens (speculative.draft_token_map)")
     k_rule = "adaptive k" if report.adaptive else f"k = {report.num_draft_tokens} always"
     tp = Table(title=f"throughput, spec on / spec off ({k_rule}, best of interleaved repeats)")
     for col in ("c", "off tok/s", "draft tok/s", "n-gram tok/s", "draft on/off", "n-gram on/off", "draft k chosen"):

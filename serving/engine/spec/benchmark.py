@@ -81,6 +81,8 @@ class SpecBenchReport:
     c1_rounds: int = 1  # passes over the prompts at c=1, each prompt on every system back to back
     weight_packing: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # engine -> PackingDecision per model
     draft_rollout: dict[str, Any] | None = None  # the draft engine's RolloutDecision (speculative.draft_rollout)
+    draft_token_map: str | None = None  # speculative.draft_token_map of the draft engine (None: full vocabulary)
+    draft_token_map_size: int | None = None  # the tokens the draft may propose under it
     # engine -> AttentionDecision per model (model.cpu_decode_attention)
     decode_attention: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     draft_rollouts: int = 0  # compiled rollouts the draft engine ran over the whole bench
@@ -326,6 +328,7 @@ def run_spec_benchmark(
     rollout_wrapper: RolloutWrapper = "cpp",
     decode_attention: DecodeAttentionMode = "auto",
     policy_trace: list[dict[str, Any]] | None = None,
+    draft_token_map: str | None = None,
 ) -> SpecBenchReport:
     """policy_trace: when given, every choice of the draft and n-gram engines' policies is appended to it
     (SpeculationPolicy.describe, with "system" and "phase": warm-up, c1-latency, c1-profile, throughput-c4, ...)."""
@@ -336,7 +339,8 @@ def run_spec_benchmark(
     on_draft = make_engine(target, SpeculativeConfig(enabled=True, method="draft", draft_model=str(draft),
                                                      num_draft_tokens=k, adaptive=adaptive,
                                                      draft_rollout=draft_rollout,
-                                                     draft_rollout_wrapper=rollout_wrapper), *engine_args)
+                                                     draft_rollout_wrapper=rollout_wrapper,
+                                                     draft_token_map=draft_token_map), *engine_args)
     on_ngram = make_engine(target, SpeculativeConfig(enabled=True, method="ngram", num_draft_tokens=k,
                                                      adaptive=adaptive), *engine_args)
     if off.tokenizer is None:
@@ -353,6 +357,9 @@ def run_spec_benchmark(
     report.weight_packing = {name: [asdict(d) for d in engine.weight_packing] for name, engine in systems.items()}
     report.decode_attention = {name: [asdict(d) for d in engine.decode_attention] for name, engine in systems.items()}
     report.draft_rollout = asdict(on_draft.draft_rollout) if on_draft.draft_rollout is not None else None
+    proposer = on_draft.speculator.proposer if on_draft.speculator is not None else None
+    report.draft_token_map = draft_token_map
+    report.draft_token_map_size = getattr(proposer, "token_map_size", None)
 
     for engine in (off, on_draft, on_ngram):  # warm-up, and a first fit of the policy's cost model
         run_concurrent(engine, prompts, 2, 16)

@@ -35,6 +35,7 @@ from serving.engine.request import Request
 from serving.engine.sampling import SamplingRows, draw_uniforms, greedy_tokens, logits_to_probs, sample_from_probs
 from serving.engine.spec.proposer import Proposals
 from serving.engine.spec.rollout import MAX_LAG, DraftRollout, RolloutDecision, prepare
+from serving.engine.spec.token_map import apply_token_map, read_token_map, token_map_path
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class DraftModelProposer:
         self.computed: dict[str, int] = {}  # req_id -> tokens of the sequence in the draft cache
         self.catch_up_tokens_total = 0  # sequence tokens the draft computed (prompts, accepted and emitted tokens)
         self.prefix_hit_tokens_total = 0  # sequence tokens found in the draft's prefix cache instead
+        self.token_map_size: int | None = None  # load(token_map=...): the tokens the draft may propose
 
     @classmethod
     def load(
@@ -89,10 +91,21 @@ class DraftModelProposer:
         max_model_len: int,
         num_blocks: int,
         block_size: int,
+        token_map: str | None = None,
     ) -> DraftModelProposer:
+        """The draft model, checked against the target's tokenizer; with token_map (speculative.draft_token_map, a
+        file in draft_dir) its lm_head restricted to the map's tokens (serving.engine.spec.token_map)."""
         draft_dir, target_dir = Path(draft_dir), Path(target_dir)
         check_same_tokenizer(target_dir, draft_dir, target_args, read_model_args(draft_dir))
-        return cls(load_model(draft_dir, dtype, device, max_model_len), num_blocks, block_size)
+        model = load_model(draft_dir, dtype, device, max_model_len)
+        proposer = cls(model, num_blocks, block_size)
+        if token_map is not None:
+            ids = read_token_map(token_map_path(draft_dir, token_map), model.args.vocab_size)
+            apply_token_map(model, ids)
+            proposer.token_map_size = len(ids)
+            log.info("draft token map %s: the draft proposes %d of %d tokens", token_map, len(ids),
+                     model.args.vocab_size)
+        return proposer
 
     def compile_steps(self, max_rows: int, measure: bool, whole_decode: bool | None = None,
                       backend: str = "inductor") -> None:

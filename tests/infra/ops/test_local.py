@@ -41,10 +41,23 @@ def _run(*argv: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def deployment(checkout: Path, tiny_chat_model: Path) -> Iterator[LocalDeployment]:
+def tiny_draft(tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model as the draft, with the demo draft's token map (same tokenizer), which the local stack names."""
+    import shutil
+
+    from serving.demo import DEMO_TOKEN_MAP, draft_path
+
+    draft = tmp_path_factory.mktemp("tiny-draft") / "draft"
+    shutil.copytree(tiny_chat_model, draft)
+    shutil.copy(draft_path() / DEMO_TOKEN_MAP, draft / DEMO_TOKEN_MAP)
+    return draft
+
+
+@pytest.fixture(scope="module")
+def deployment(checkout: Path, tiny_chat_model: Path, tiny_draft: Path) -> Iterator[LocalDeployment]:
     stacks = str(checkout / "stacks")
     model = str(tiny_chat_model)
-    assert _run("up", "--stack", "local", "--stacks-dir", stacks, "--target-dir", model, "--draft-dir", model,
+    assert _run("up", "--stack", "local", "--stacks-dir", stacks, "--target-dir", model, "--draft-dir", str(tiny_draft),
                 "--quiet", "--timeout", "180") == 0
     deployment = LocalDeployment(load_stack("local", checkout / "stacks"))
     try:
@@ -88,12 +101,12 @@ def test_weights_went_through_the_file_store_with_manifests(deployment: LocalDep
 
 
 def test_status_reports_ready_and_up_again_is_a_noop(deployment: LocalDeployment, checkout: Path,
-                                                     tiny_chat_model: Path) -> None:
+                                                     tiny_chat_model: Path, tiny_draft: Path) -> None:
     stacks = str(checkout / "stacks")
     assert _run("status", "--stack", "local", "--stacks-dir", stacks) == 0
     pid = deployment.status().pid
     assert _run("up", "--stack", "local", "--stacks-dir", stacks, "--target-dir", str(tiny_chat_model),
-                "--draft-dir", str(tiny_chat_model), "--quiet") == 0
+                "--draft-dir", str(tiny_draft), "--quiet") == 0
     assert deployment.status().pid == pid
 
 

@@ -78,10 +78,11 @@ def exact_marginals(target: Path, params: SamplingParams) -> tuple[torch.Tensor,
     return joint12.sum(0), p3
 
 
-def sample_marginals(kit: Any, target: Path, draft: Path, params: SamplingParams, n: int) -> torch.Tensor:
+def sample_marginals(kit: Any, target: Path, draft: Path, params: SamplingParams, n: int,
+                     token_map: str | None = None) -> torch.Tensor:
     engine = kit.make_engine(target, speculative=SpeculativeConfig(
-        enabled=True, method="draft", draft_model=str(draft), adaptive=False, num_draft_tokens=2),
-        max_num_seqs=256, max_num_batched_tokens=1024, max_queue=n)
+        enabled=True, method="draft", draft_model=str(draft), adaptive=False, num_draft_tokens=2,
+        draft_token_map=token_map), max_num_seqs=256, max_num_batched_tokens=1024, max_queue=n)
     grammar = compiled()
     for i in range(n):
         engine.add_request(GenerationRequest(str(i), PROMPT, dataclasses.replace(params, seed=i, max_tokens=3),
@@ -153,5 +154,24 @@ def test_unmasked_sampled_drafts_cut_after_their_first_rejected_token_stay_lossl
     params = SamplingParams(temperature=1.0)
     p2, p3 = exact_marginals(target, params)
     counts = sample_marginals(kit, target, draft, params, 1500)
+    assert chi_square(counts[0], p2) < CHI2_CRITICAL_DF7
+    assert chi_square(counts[1], p3) < CHI2_CRITICAL_DF7
+
+
+def test_a_draft_with_a_token_map_keeps_the_masked_target_distribution(
+    kit: Any, pair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """speculative.draft_token_map: the draft proposes only <eos>, a, b, c, so its q is 0 for d-g, which the
+    grammar allows as the second letter; the output is still exactly the masked target's (rejection sampling
+    draws d-g from the residual)."""
+    import shutil
+
+    target, draft = pair
+    mapped = tmp_path / "draft"
+    shutil.copytree(draft, mapped)
+    (mapped / "token_map.json").write_text("[0, 1, 2, 3]")
+    params = SamplingParams(temperature=1.0)
+    p2, p3 = exact_marginals(target, params)
+    counts = sample_marginals(kit, target, mapped, params, 1500, token_map="token_map.json")
     assert chi_square(counts[0], p2) < CHI2_CRITICAL_DF7
     assert chi_square(counts[1], p3) < CHI2_CRITICAL_DF7
