@@ -87,6 +87,18 @@ def test_model_files_match_the_manifest(host: Any, server_port: int, options: An
     assert not mismatched, f"{directory}: files differ from manifest.json: {mismatched}"
 
 
+def test_the_drafts_token_map_came_with_its_verified_weights(host: Any, server_port: int) -> None:
+    """speculative.draft_token_map names a file in the draft's directory: it must be one of the files the draft's
+    manifest lists (pushed and pulled with the weights, checked above), not one copied in beside them."""
+    _, config = _server_config(host, server_port)
+    spec = config.get("speculative") or {}
+    name, draft = spec.get("draft_token_map"), spec.get("draft_model")
+    if not (spec.get("enabled") and draft and name):
+        pytest.skip("the server's draft proposes from its whole vocabulary (no speculative.draft_token_map)")
+    listed = {entry["path"] for entry in _manifest(host, draft)["files"]}
+    assert name in listed, f"{draft}/{name} is not in the draft's manifest.json ({len(listed)} files)"
+
+
 def test_gpu_is_visible_with_a_supported_driver(host: Any, stack: Any) -> None:
     if not host.exists("nvidia-smi"):
         pytest.skip("CPU host: no nvidia-smi (GPU checks apply to GPU instances)")
