@@ -98,6 +98,8 @@ def test_bench_spec_passes_dtype_and_weight_packing_to_every_engine(tmp_path: Pa
     assert in_place == {"spec_off": [("target", True)], "spec_draft": [("target", True), ("draft", True)],
                         "spec_ngram": [("target", True)]}
     assert report["c1_rounds"] == 1 and report["greedy_identical"] is True
+    # the demo draft is benched with the token map it ships (speculative.draft_token_map)
+    assert report["draft_token_map"] == "token_map.json" and report["draft_token_map_size"] == 1024
     assert {r["system"]: r["requests"] for r in report["c1"]} == {"spec_off": 2, "spec_draft": 2, "spec_ngram": 2}
     assert report["c1_draft_paired_speedup"] > 0
     assert report["draft_rollout"] == {**report["draft_rollout"], "enabled": False,
