@@ -96,11 +96,13 @@ class DraftModelProposer:
         """The draft model, checked against the target's tokenizer; with token_map (speculative.draft_token_map, a
         file in draft_dir) its lm_head restricted to the map's tokens (serving.engine.spec.token_map)."""
         draft_dir, target_dir = Path(draft_dir), Path(target_dir)
-        check_same_tokenizer(target_dir, draft_dir, target_args, read_model_args(draft_dir))
+        draft_args = read_model_args(draft_dir)
+        check_same_tokenizer(target_dir, draft_dir, target_args, draft_args)
+        # a bad map is refused before the weights are read
+        ids = read_token_map(token_map_path(draft_dir, token_map), draft_args.vocab_size) if token_map else None
         model = load_model(draft_dir, dtype, device, max_model_len)
         proposer = cls(model, num_blocks, block_size)
-        if token_map is not None:
-            ids = read_token_map(token_map_path(draft_dir, token_map), model.args.vocab_size)
+        if token_map is not None and ids is not None:
             apply_token_map(model, ids)
             proposer.token_map_size = len(ids)
             log.info("draft token map %s: the draft proposes %d of %d tokens", token_map, len(ids),
