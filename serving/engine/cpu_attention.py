@@ -406,14 +406,13 @@ def compare(other_source: Path, shapes: tuple[tuple[str, int, int, int, int, int
     build fails, FileNotFoundError where other_source is missing."""
     if not other_source.is_file():
         raise FileNotFoundError(f"no kernel source at {other_source}")
+    this = DecodeAttentionKernel(build())  # as the engine builds it (cached)
     compiler = find_compiler()
-    if compiler is None:
-        raise KernelUnavailable(f"no C++ compiler on PATH (looked for {', '.join(COMPILERS)})")
+    assert compiler is not None  # build() found one
     with tempfile.TemporaryDirectory(prefix="specdeploy-compare-") as tmp:
-        this_path, other_path = Path(tmp) / "this.so", Path(tmp) / "other.so"
-        _compile(compiler, FLAGS, this_path)
+        other_path = Path(tmp) / "other.so"
         _compile(compiler, FLAGS, other_path, other_source)
-        this, other = DecodeAttentionKernel(this_path), DecodeAttentionKernel(other_path, "other")
+        other = DecodeAttentionKernel(other_path, "other")
         generator = torch.Generator().manual_seed(0)
         return [_compare_shape(this, other, shape, generator, rounds, calls) for shape in shapes]
 

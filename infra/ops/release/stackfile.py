@@ -10,9 +10,7 @@ result is validated with the stack schema before it atomically replaces the file
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ import yaml
 from infra.config import PROJECT, ReleaseSpec, parse_stack_mapping
 from infra.ops.release.model import ReleaseError
 from serving.config import ConfigError
+from serving.files import atomic_write
 
 RELEASE_KEY = f"{PROJECT}:release"
 _SCALARS = ("active", "canary_weight")
@@ -49,22 +48,6 @@ def render_release(text: str, release: ReleaseSpec, source: str = "stack file") 
         updated = _replace_block(text, wanted, source)
     _check(document, _load(updated, source), release, source)
     return updated
-
-
-def atomic_write(path: Path, text: str) -> None:
-    """Write to a temporary file beside ``path``, fsync, then rename over it."""
-    mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _load(text: str, source: str) -> dict[str, Any]:

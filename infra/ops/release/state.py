@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from infra.ops.release.model import ReleaseError
-from infra.ops.release.stackfile import atomic_write
+from serving.files import atomic_write
 
 if TYPE_CHECKING:
     from infra.ops.release.audit import AuditSink

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -34,6 +32,7 @@ import torch
 from torch import nn
 
 from serving.config import check_token_map_name
+from serving.files import atomic_write
 
 UNMAPPED_LOGIT = -1e30
 
@@ -102,27 +101,19 @@ def apply_token_map(model: nn.Module, ids: torch.Tensor) -> None:
 
 def most_frequent(token_streams: Iterable[torch.Tensor], size: int, vocab_size: int) -> list[int]:
     """The `size` most frequent token ids over the streams (ties: the lower id first), most frequent first."""
+    if size > vocab_size:
+        raise TokenMapError(f"a token map of {size} tokens is larger than the vocabulary ({vocab_size})")
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for stream in token_streams:
         counts += torch.bincount(stream.flatten().long(), minlength=vocab_size)[:vocab_size]
-    if size > vocab_size:
-        raise TokenMapError(f"a token map of {size} tokens is larger than the vocabulary ({vocab_size})")
-    order = sorted(range(vocab_size), key=lambda i: (-int(counts[i]), i))
-    return order[:size]
+    order = torch.sort(-counts, stable=True).indices  # stable: equal counts keep ascending ids
+    return order[:size].tolist()
 
 
 def write_token_map(ids: list[int], path: Path) -> None:
-    """Write the map whole or not at all (a temporary file renamed into place)."""
+    """Write the map whole or not at all (serving.files.atomic_write), creating its directory."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(ids, f)
-            f.write("\n")
-        os.replace(partial, path)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
+    atomic_write(path, json.dumps(ids) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

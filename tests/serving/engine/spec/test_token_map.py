@@ -233,9 +233,10 @@ def test_the_build_command_refuses_bad_input(tmp_path: Path, capsys: pytest.Capt
     assert not (tmp_path / "m.json").exists()
 
 
-def test_write_token_map_replaces_a_map_whole(tmp_path: Path) -> None:
+def test_write_token_map_replaces_a_map_whole_and_leaves_it_readable(tmp_path: Path) -> None:
     path = tmp_path / "m.json"
     write_token_map([3, 1], path)
+    assert path.stat().st_mode & 0o777 == 0o644  # the server may run as another user than who built the map
     write_token_map([7], path)
     assert json.loads(path.read_text()) == [7]
     assert [p.name for p in tmp_path.iterdir()] == ["m.json"]
