@@ -361,6 +361,8 @@ def _print_spec_tables(report: Any) -> None:
                       f"{split['python_ms']:.2f}, attention {split['attention_ms']:.2f}, matmuls "
                       f"{split['matmuls_ms']:.2f}, sampling {split['sampling_ms']:.2f}, "
                       f"drafting {split['drafting_ms']:.2f}")
+    if report.c1_prompts:
+        _print_c1_prompts(console, report)
     if report.draft_rollout is not None:
         state = "on" if report.draft_rollout["enabled"] else "off"
         console.print(f"draft rollout {state} ({report.draft_rollout['reason']}): {report.draft_rollouts} rollouts "
@@ -408,6 +410,26 @@ def _print_table(report: Any, concurrencies: list[int]) -> None:
     for name, value in report.ratios.items():
         console.print(f"{name}: {value:.2f}x")
     _print_breakdown(console, report.breakdown)
+
+
+def _print_c1_prompts(console: Any, report: Any) -> None:
+    """Each c=1 prompt's median latency per system, the draft's speed-up on it and the tokens a verification
+    emitted: the slowest prompts are the c=1 P99, so this shows which prompts set it."""
+    from rich.table import Table
+
+    systems = [s for s in ("spec_off", "spec_draft", "spec_ngram") if s in report.c1_prompts[0].seconds]
+    table = Table(title=f"c=1 per prompt (median of {report.c1_rounds} passes; the slowest set the P99)")
+    for col in ("prompt", "prompt tokens", *(f"{s} s" for s in systems), "draft / off", "draft tokens/round",
+                "n-gram tokens/round"):
+        table.add_column(col, justify="right")
+    slowest = max(report.c1_prompts, key=lambda p: p.seconds.get("spec_draft", 0.0))
+    for p in report.c1_prompts:
+        speedup = p.draft_speedup
+        table.add_row(f"{p.prompt}{' *' if p is slowest else ''}", str(p.prompt_tokens),
+                      *(f"{p.seconds[s]:.3f}" for s in systems), "" if speedup is None else f"{speedup:.2f}",
+                      *(f"{p.tokens_per_round[s]:.2f}" if s in p.tokens_per_round else ""
+                        for s in ("spec_draft", "spec_ngram")))
+    console.print(table)
 
 
 def _print_breakdown(console: Any, breakdown: list[Any]) -> None:

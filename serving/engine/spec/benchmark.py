@@ -46,6 +46,23 @@ class LatencyRun:
 
 
 @dataclass
+class PromptLatency:
+    """One c=1 prompt over every pass: median end-to-end seconds per system, and the tokens each speculating
+    system emitted per verification of it. The P99 of a c=1 run is its slowest requests, so this says which
+    prompts set it and why (a prompt the draft predicts poorly runs more, shorter rounds)."""
+
+    prompt: int  # index in the held-out prompt set
+    prompt_tokens: int
+    seconds: dict[str, float]  # system -> median latency over the passes
+    tokens_per_round: dict[str, float]  # speculating system -> (accepted drafts + verifications) / verifications
+
+    @property
+    def draft_speedup(self) -> float | None:
+        off, draft = self.seconds.get("spec_off"), self.seconds.get("spec_draft")
+        return off / draft if off and draft else None
+
+
+@dataclass
 class ThroughputRun:
     concurrency: int
     spec_off_tokens_per_s: float
@@ -79,6 +96,7 @@ class SpecBenchReport:
     # least moved by a shared machine's drift
     c1_draft_paired_speedup: float | None = None
     c1_rounds: int = 1  # passes over the prompts at c=1, each prompt on every system back to back
+    c1_prompts: list[PromptLatency] = field(default_factory=list)  # per prompt, in the held-out set's order
     weight_packing: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # engine -> PackingDecision per model
     draft_rollout: dict[str, Any] | None = None  # the draft engine's RolloutDecision (speculative.draft_rollout)
     draft_token_map: str | None = None  # speculative.draft_token_map of the draft engine (None: full vocabulary)
@@ -91,7 +109,10 @@ class SpecBenchReport:
     c1_step_split: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        for row, prompt in zip(out["c1_prompts"], self.c1_prompts, strict=True):
+            row["draft_speedup"] = prompt.draft_speedup
+        return out
 
     def c1_run(self, system: str) -> LatencyRun | None:
         return next((r for r in self.c1 if r.system == system and r.tokens_per_s > 0), None)
@@ -151,27 +172,37 @@ def run_sequential(
 
 
 def run_interleaved(
-    engines: dict[str, LLMEngine], prompts: list[list[int]], output_len: int, rounds: int
+    engines: dict[str, LLMEngine], prompts: list[list[int]], output_len: int, rounds: int,
+    per_prompt: list[PromptLatency] | None = None,
 ) -> tuple[list[LatencyRun], dict[str, list[list[int]]], list[float]]:
     """c=1 on several engines side by side: each prompt runs on every engine back to back (the order rotating
     from prompt to prompt), for `rounds` passes over the prompts. A slow stretch of a shared machine then
     lands on all systems alike instead of on whichever ran during it.
 
     Returns a LatencyRun per system over all its requests, each system's outputs (round by round, prompt by
-    prompt), and for every (round, prompt) the first system's latency over the second's: the paired ratios."""
+    prompt), and for every (round, prompt) the first system's latency over the second's: the paired ratios.
+    per_prompt, when given, gets a PromptLatency per prompt."""
     systems = list(engines)
     latencies: dict[str, list[float]] = {s: [] for s in systems}
     tokens = dict.fromkeys(systems, 0)
     outputs: dict[str, list[list[int]]] = {s: [] for s in systems}
     before = {s: _spec_counts(e) for s, e in engines.items()}
     paired: list[float] = []
+    # prompt -> system -> its latencies, and its (accepted drafts, verifications) summed over the passes
+    by_prompt: list[dict[str, list[float]]] = [{s: [] for s in systems} for _ in prompts]
+    verified: list[dict[str, list[int]]] = [{s: [0, 0] for s in systems} for _ in prompts]
     for r in range(rounds):
         for i, prompt in enumerate(prompts):
             shift = (r * len(prompts) + i) % len(systems)
             seconds = {}
             for system in systems[shift:] + systems[:shift]:
+                counts = _spec_counts(engines[system])
                 seconds[system], generated = run_one(engines[system], f"{system}-{r}-{i}", prompt, output_len)
+                after = _spec_counts(engines[system])
+                verified[i][system][0] += after[1] - counts[1]
+                verified[i][system][1] += after[2] - counts[2]
                 latencies[system].append(seconds[system])
+                by_prompt[i][system].append(seconds[system])
                 tokens[system] += len(generated)
                 outputs[system].append(generated)
             if len(systems) >= 2:
@@ -181,6 +212,11 @@ def run_interleaved(
         after, start = _spec_counts(engine), before[system]
         counts = (after[0] - start[0], after[1] - start[1], after[2] - start[2])
         runs.append(_latency_run(system, latencies[system], tokens[system], counts))
+    if per_prompt is not None:
+        for i, prompt in enumerate(prompts):
+            per_prompt.append(PromptLatency(
+                i, len(prompt), {s: statistics.median(t) for s, t in by_prompt[i].items()},
+                {s: (accepted + rounds_) / rounds_ for s, (accepted, rounds_) in verified[i].items() if rounds_}))
     return runs, outputs, paired
 
 
@@ -235,13 +271,8 @@ def measure_ceiling(target: Transformer, draft: Transformer | None, k: int, cont
 def rollout_seconds(rollout: DraftRollout, context: int, repeats: int = 7) -> float:
     """One compiled rollout for one sequence with `context` cached tokens: the median of `repeats`."""
     inputs = rollout.inputs(1, context)
-    rollout(inputs)[0].tolist()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        rollout(inputs)[0].tolist()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    rollout.timed(inputs)
+    return statistics.median(rollout.timed(inputs) for _ in range(repeats))
 
 
 @torch.inference_mode()
@@ -367,7 +398,7 @@ def run_spec_benchmark(
     k_before = dict(on_draft.stats().spec.k_histogram)
     phase[0] = "c1-latency"
     report.c1_rounds = max(repeats, 1)
-    runs, outputs, paired = run_interleaved(systems, prompts, output_len, report.c1_rounds)
+    runs, outputs, paired = run_interleaved(systems, prompts, output_len, report.c1_rounds, report.c1_prompts)
     report.c1 += runs
     report.c1_draft_paired_speedup = statistics.median(paired)
     report.c1_draft_k_histogram = {kk: v - k_before.get(kk, 0) for kk, v in on_draft.stats().spec.k_histogram.items()

@@ -186,6 +186,12 @@ class DraftRollout:
         with torch.compiler.set_stance("fail_on_recompile"):
             return self._graph(self.model, *inputs, self.steps)
 
+    def timed(self, inputs: Inputs) -> float:
+        """Seconds of one compiled rollout over these inputs, its drafts read back as the proposer reads them."""
+        start = time.perf_counter()
+        self(inputs)[0].tolist()
+        return time.perf_counter() - start
+
     def eager(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return rollout_graph(self.model, *inputs, self.steps)
 
@@ -196,14 +202,8 @@ class DraftRollout:
         one = self.inputs(1, _CONTEXT)
         self(one)
         forward_seconds(self.model, _CONTEXT, 1, repeats=3)
-
-        def rolled() -> float:
-            start = time.perf_counter()
-            self(one)[0].tolist()
-            return time.perf_counter() - start
-
         rollout_s, forward_s = interleaved_medians(
-            [rolled, lambda: forward_seconds(self.model, _CONTEXT, 1, repeats=3)], _ROUNDS)
+            [lambda: self.timed(one), lambda: forward_seconds(self.model, _CONTEXT, 1, repeats=3)], _ROUNDS)
         self.rollout_cost = LinearCost(intercept=rollout_s, slope=0.0)
         # a catch-up forward feeds 1-2 tokens: the slope from a 2-token forward, the line through the 1-token one
         slope = min(max(forward_seconds(self.model, _CONTEXT, 2, repeats=3) - forward_s, 0.0), forward_s)

@@ -76,7 +76,8 @@ def test_bench_engine_passes_dtype_weight_packing_and_decode_attention_to_the_en
 
 
 @pytest.mark.slow
-def test_bench_spec_passes_dtype_and_weight_packing_to_every_engine(tmp_path: Path) -> None:
+def test_bench_spec_passes_dtype_and_weight_packing_to_every_engine(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     """`bench spec` on the demo pair, shortened: the flags reach the three engines, and the c=1 passes interleave."""
     out = tmp_path / "spec.json"
     trace = tmp_path / "policy.jsonl"
@@ -102,6 +103,11 @@ def test_bench_spec_passes_dtype_and_weight_packing_to_every_engine(tmp_path: Pa
     assert report["draft_token_map"] == "token_map.json" and report["draft_token_map_size"] == 1024
     assert {r["system"]: r["requests"] for r in report["c1"]} == {"spec_off": 2, "spec_draft": 2, "spec_ngram": 2}
     assert report["c1_draft_paired_speedup"] > 0
+    # per prompt: which ones set the c=1 P99, and how long their rounds were
+    assert [(row["prompt"], set(row["seconds"])) for row in report["c1_prompts"]] == [
+        (i, {"spec_off", "spec_draft", "spec_ngram"}) for i in range(2)]
+    assert all(row["draft_speedup"] > 0 for row in report["c1_prompts"])
+    assert "c=1 per prompt" in capsys.readouterr().out
     assert report["draft_rollout"] == {**report["draft_rollout"], "enabled": False,
                                        "reason": "speculative.draft_rollout is off"}
     assert report["draft_rollouts"] == 0

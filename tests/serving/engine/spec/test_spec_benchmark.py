@@ -93,6 +93,40 @@ def test_interleaved_c1_runs_every_prompt_on_every_engine_back_to_back(kit: Any,
     assert len(paired) == 6 and all(p > 0 for p in paired)
 
 
+def test_the_c1_report_per_prompt_says_which_prompts_are_slow_and_how_long_their_rounds_were(
+    kit: Any, llama_dir: Path, qwen2_dir: Path
+) -> None:
+    """Per prompt: the median latency of every system and the tokens per verification of each speculating one.
+    A draft equal to the target has every draft accepted, so its rounds are k + 1 tokens but where a request's
+    remaining tokens cap k; a draft with other weights has much shorter rounds, on every prompt."""
+    from serving.engine.config import SpeculativeConfig
+    from serving.engine.spec.benchmark import PromptLatency, SpecBenchReport, run_interleaved
+
+    def drafting(draft: Path) -> Any:
+        return kit.make_engine(llama_dir, speculative=SpeculativeConfig(
+            enabled=True, method="draft", draft_model=str(draft), num_draft_tokens=3, adaptive=False))
+
+    engines = {"spec_off": kit.make_engine(llama_dir), "spec_draft": drafting(llama_dir),
+               "spec_ngram": drafting(qwen2_dir)}  # an unrelated draft, under another system's name
+    prompts = kit.random_prompts([9, 14, 5], seed=4)
+    per_prompt: list[PromptLatency] = []
+    runs, outputs, _ = run_interleaved(engines, prompts, output_len=13, rounds=2, per_prompt=per_prompt)
+    assert outputs["spec_off"] == outputs["spec_draft"] == outputs["spec_ngram"]
+    assert [(p.prompt, p.prompt_tokens) for p in per_prompt] == [(0, 9), (1, 14), (2, 5)]
+    assert all(set(p.seconds) == set(engines) and min(p.seconds.values()) > 0 for p in per_prompt)
+    # 13 tokens: the prefill's token, then 3 full rounds of 4 tokens
+    assert all(p.tokens_per_round["spec_draft"] == 4.0 for p in per_prompt)
+    assert all(p.tokens_per_round["spec_ngram"] < 3.0 for p in per_prompt)
+    assert "spec_off" not in per_prompt[0].tokens_per_round  # no verifications
+    assert per_prompt[0].draft_speedup == per_prompt[0].seconds["spec_off"] / per_prompt[0].seconds["spec_draft"]
+    # the run's mean accepted length is the per-prompt rounds together (each prompt ran the same number of times)
+    draft_run = next(r for r in runs if r.system == "spec_draft")
+    assert draft_run.mean_accepted_length == 4.0
+    report = SpecBenchReport("t", "d", 1, 3, len(prompts), 13, c1_prompts=per_prompt)
+    rows = report.to_dict()["c1_prompts"]
+    assert [row["draft_speedup"] for row in rows] == [p.draft_speedup for p in per_prompt]
+
+
 def test_tokens_per_round_replays_greedy_speculation_over_the_outputs() -> None:
     T, F = True, False
     # out[0] comes from the prefill; rounds of k = 3 start at 1: [1, 2, 3] accepted + 1 -> 4 tokens (1..4); at 5:
