@@ -145,13 +145,18 @@ def _spec_counts(engine: LLMEngine) -> tuple[int, int, int]:
     return spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_drafts
 
 
+def _round_length(accepted: int, rounds: int) -> float | None:
+    """Tokens a verification emitted: its accepted drafts and the target's own token."""
+    return (accepted + rounds) / rounds if rounds else None
+
+
 def _latency_run(system: str, latencies: list[float], tokens: int, counts: tuple[int, int, int]) -> LatencyRun:
     drafted, accepted, rounds = counts
     return LatencyRun(
         system, len(latencies), tokens, tokens / sum(latencies), statistics.median(latencies),
         percentile(latencies, 99) or 0.0,
         acceptance_rate=accepted / drafted if drafted else None,
-        mean_accepted_length=(accepted + rounds) / rounds if rounds else None,
+        mean_accepted_length=_round_length(accepted, rounds),
     )
 
 
@@ -186,21 +191,19 @@ def run_interleaved(
     latencies: dict[str, list[float]] = {s: [] for s in systems}
     tokens = dict.fromkeys(systems, 0)
     outputs: dict[str, list[list[int]]] = {s: [] for s in systems}
-    before = {s: _spec_counts(e) for s, e in engines.items()}
     paired: list[float] = []
-    # prompt -> system -> its latencies, and its (accepted drafts, verifications) summed over the passes
+    # prompt -> system -> its latencies, and its (drafted, accepted, verifications) summed over the passes
     by_prompt: list[dict[str, list[float]]] = [{s: [] for s in systems} for _ in prompts]
-    verified: list[dict[str, list[int]]] = [{s: [0, 0] for s in systems} for _ in prompts]
+    verified: list[dict[str, list[int]]] = [{s: [0, 0, 0] for s in systems} for _ in prompts]
     for r in range(rounds):
         for i, prompt in enumerate(prompts):
             shift = (r * len(prompts) + i) % len(systems)
             seconds = {}
             for system in systems[shift:] + systems[:shift]:
-                counts = _spec_counts(engines[system])
+                before = _spec_counts(engines[system])
                 seconds[system], generated = run_one(engines[system], f"{system}-{r}-{i}", prompt, output_len)
-                after = _spec_counts(engines[system])
-                verified[i][system][0] += after[1] - counts[1]
-                verified[i][system][1] += after[2] - counts[2]
+                for j, (start, end) in enumerate(zip(before, _spec_counts(engines[system]), strict=True)):
+                    verified[i][system][j] += end - start
                 latencies[system].append(seconds[system])
                 by_prompt[i][system].append(seconds[system])
                 tokens[system] += len(generated)
@@ -208,15 +211,14 @@ def run_interleaved(
             if len(systems) >= 2:
                 paired.append(seconds[systems[0]] / seconds[systems[1]])
     runs = []
-    for system, engine in engines.items():
-        after, start = _spec_counts(engine), before[system]
-        counts = (after[0] - start[0], after[1] - start[1], after[2] - start[2])
-        runs.append(_latency_run(system, latencies[system], tokens[system], counts))
+    for system in systems:
+        drafted, accepted, rounds_ = (sum(v[system][j] for v in verified) for j in range(3))
+        runs.append(_latency_run(system, latencies[system], tokens[system], (drafted, accepted, rounds_)))
     if per_prompt is not None:
         for i, prompt in enumerate(prompts):
-            per_prompt.append(PromptLatency(
-                i, len(prompt), {s: statistics.median(t) for s, t in by_prompt[i].items()},
-                {s: (accepted + rounds_) / rounds_ for s, (accepted, rounds_) in verified[i].items() if rounds_}))
+            lengths = {s: _round_length(a, n) for s, (_, a, n) in verified[i].items()}
+            per_prompt.append(PromptLatency(i, len(prompt), {s: statistics.median(t) for s, t in by_prompt[i].items()},
+                                            {s: length for s, length in lengths.items() if length is not None}))
     return runs, outputs, paired
 
 

@@ -127,6 +127,44 @@ def test_the_c1_report_per_prompt_says_which_prompts_are_slow_and_how_long_their
     assert [row["draft_speedup"] for row in rows] == [p.draft_speedup for p in per_prompt]
 
 
+def test_the_c1_report_per_prompt_attributes_each_request_to_its_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stub engines whose latency and verifications depend on the prompt and the pass: each prompt's row holds the
+    median of its own requests and the round length of its own verifications, and the run's counts are their
+    sums."""
+    from types import SimpleNamespace
+
+    from serving.engine.spec import benchmark
+
+    class Stub:
+        def __init__(self) -> None:
+            self.spec = SimpleNamespace(num_draft_tokens=0, num_accepted_tokens=0, num_drafts=0)
+
+        def stats(self) -> Any:
+            return SimpleNamespace(spec=self.spec)
+
+    def run_one(engine: Stub, request_id: str, prompt: list[int], output_len: int) -> tuple[float, list[int]]:
+        system, r, i = request_id.rsplit("-", 2)
+        if system == "draft":  # prompt i: i + 1 verifications of 4 drafts, 3 - i of them accepted each time
+            engine.spec.num_drafts += int(i) + 1
+            engine.spec.num_draft_tokens += 4 * (int(i) + 1)
+            engine.spec.num_accepted_tokens += (3 - int(i)) * (int(i) + 1)
+        return 0.1 * (int(i) + 1) + 0.01 * int(r) ** 2 * (1 if system == "off" else 2), [0] * output_len
+
+    monkeypatch.setattr(benchmark, "run_one", run_one)
+    per_prompt: list[benchmark.PromptLatency] = []
+    runs, _, _ = benchmark.run_interleaved({"off": Stub(), "draft": Stub()}, [[1], [1, 2], [1, 2, 3]], 5, 3,
+                                           per_prompt)
+    assert [p.seconds for p in per_prompt] == [
+        {"off": pytest.approx(0.1 * (i + 1) + 0.01), "draft": pytest.approx(0.1 * (i + 1) + 0.02)} for i in range(3)]
+    assert [p.tokens_per_round for p in per_prompt] == [{"draft": 4.0 - i} for i in range(3)]
+    assert [p.prompt_tokens for p in per_prompt] == [1, 2, 3]
+    off, draft = runs
+    assert off.mean_accepted_length is None and off.acceptance_rate is None
+    # over the run: 3 x (1 + 2 + 3) verifications of 4 drafts, 3 x (3 + 4 + 3) accepted
+    assert draft.mean_accepted_length == pytest.approx((30 + 18) / 18)
+    assert draft.acceptance_rate == pytest.approx(30 / 72)
+
+
 def test_tokens_per_round_replays_greedy_speculation_over_the_outputs() -> None:
     T, F = True, False
     # out[0] comes from the prefill; rounds of k = 3 start at 1: [1, 2, 3] accepted + 1 -> 4 tokens (1..4); at 5:
