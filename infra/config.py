@@ -24,8 +24,9 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from serving.config import (
     ConfigError,
-    Dtype,
     ModelSection,
+    NumThreads,
+    Precision,
     Quantization,
     SchedulerSection,
     ServerConfig,
@@ -66,9 +67,10 @@ class ModelSpec(StrictModel):
 
     name: str = Field(..., min_length=1, description="Model id served in the API (`model` field).")
     source: str = Field(..., description="Weights URI of this version: s3://bucket/prefix or file:///dir.")
-    dtype: Dtype = Field("bf16", description="Serving precision.")
+    dtype: Precision = Field("bf16", description="Serving precision (the capacity plan sizes the fleet by it).")
     quantization: Quantization = section_field(ModelSection, "quantization")
     tensor_parallel_size: TensorParallelSize = section_field(ModelSection, "tensor_parallel_size")
+    num_threads: NumThreads = section_field(ModelSection, "num_threads")
     params_b: float | None = Field(None, gt=0, description="Parameter count in billions (capacity plan).")
     num_layers: int | None = Field(None, gt=0, description="Decoder layers (capacity plan).")
     hidden_size: int | None = Field(None, gt=0, description="Model width (capacity plan).")
@@ -705,6 +707,7 @@ def render_server_config(
             "kv_cache_bytes": kv_cache_bytes,
             "quantization": config.model.quantization,
             "tensor_parallel_size": config.model.tensor_parallel_size,
+            "num_threads": config.model.num_threads,
         },
         "scheduler": config.scheduler.model_dump(),
         "speculative": {**spec.model_dump(), "draft_model": draft_path if use_draft else None},

@@ -3,11 +3,11 @@
 The file mirrors the deployment guide (step 3)::
 
     service:     {host: 0.0.0.0, port: 8000}
-    model:       {path: /data/models/target, dtype: bf16, max_memory_utilization: 0.85}
+    model:       {path: /data/models/target, dtype: auto, max_memory_utilization: 0.85}
     scheduler:   {max_concurrency: 64, max_input_len: 4096, max_output_len: 1024,
                   max_queue: 128, request_timeout_s: 60}
     speculative: {enabled: true, method: draft, draft_model: /data/models/draft,
-                  num_draft_tokens: 4, adaptive: true}
+                  num_draft_tokens: 12, adaptive: true}
 
 Operators never write it by hand for a deployment: ``infra.config`` renders it
 from the stack file. Every limit is defined once, here: the stack schema embeds
@@ -34,7 +34,11 @@ from pydantic_settings.sources.utils import parse_env_vars
 ENV_PREFIX = "SPECDEPLOY__"
 ENV_DELIMITER = "__"
 
-Dtype = Literal["fp32", "fp16", "bf16"]
+# A precision the stack names for its fleet (the capacity plan needs one); the server also takes `auto`.
+Precision = Literal["fp32", "fp16", "bf16"]
+Dtype = Literal["auto", "fp32", "fp16", "bf16"]
+# auto: the engine measures at start-up (serving.engine.cpu_threads)
+NumThreads = Annotated[int, Field(ge=1, le=1024)] | Literal["auto"]
 
 
 class StrictModel(BaseModel):
@@ -107,7 +111,16 @@ DecodeAttentionMode = Literal["auto", "on", "off"]
 
 class ModelSection(StrictModel):
     path: str = Field(..., min_length=1, description="Directory with config.json, safetensors and tokenizer.")
-    dtype: Dtype = Field("bf16", description="Weight and activation precision.")
+    dtype: Dtype = Field(
+        "auto", description="Weight and activation precision. auto: fp32 on CPU (the decode-attention kernel is "
+        "fp32-only, and fp32 keeps greedy tokens identical between verify and decode steps), on CUDA the "
+        "checkpoint's torch_dtype, bf16 where it names none.",
+    )
+    num_threads: NumThreads = Field(
+        "auto", description="CPU: torch intra-op threads of the server process. auto: one core is kept for the HTTP "
+        "server, tokenizer and scheduler, and among the counts left the one with the fastest 1- and 16-token steps "
+        "measured at start-up is taken; OMP_NUM_THREADS, where set, is used instead. Ignored on CUDA.",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="`auto` = CUDA when present.")
     max_memory_utilization: float = Field(
         0.85, gt=0.1, le=0.95, description="Share of GPU memory the server may use (weights + KV cache)."
@@ -172,6 +185,10 @@ class SchedulerSection(StrictModel):
         return self
 
 
+# the conventional name of a draft's token map: `draft_token_map: auto` uses it when the draft ships one
+TOKEN_MAP_NAME = "token_map.json"
+
+
 def check_token_map_name(name: str) -> None:
     """speculative.draft_token_map is named relative to the draft model's directory and stays inside it."""
     parts = PurePosixPath(name).parts
@@ -186,7 +203,10 @@ class SpeculativePolicy(StrictModel):
 
     enabled: bool = Field(False, description="Turn speculative decoding on.")
     method: Literal["draft", "ngram"] = Field("draft", description="Proposer: a draft model or n-gram lookup.")
-    num_draft_tokens: int = Field(4, ge=1, le=16, description="k: draft tokens proposed per step (max).")
+    num_draft_tokens: int = Field(
+        12, ge=1, le=16, description="k: the most draft tokens a sequence verifies in one step (the adaptive "
+        "policy picks 0..k per step); the default is the best k measured on the demo pair (docs/engine.md).",
+    )
     adaptive: bool = Field(True, description="Choose k per step from measured cost and acceptance (0 allowed).")
     ngram_min: int = Field(1, ge=1, le=8, description="Shortest suffix matched by the n-gram proposer.")
     ngram_max: int = Field(4, ge=1, le=16, description="Longest suffix matched by the n-gram proposer.")
@@ -202,11 +222,12 @@ class SpeculativePolicy(StrictModel):
     )
 
     draft_token_map: str | None = Field(
-        None, description="Method draft: a JSON list of token ids, a file in the draft model's directory (named "
+        "auto", description="Method draft: a JSON list of token ids, a file in the draft model's directory (named "
         "relative to it, so it travels and is verified with the draft's weights). The draft proposes only those "
-        "tokens and its lm_head computes only their rows, which makes each draft step cheaper (the demo draft's "
-        "head is 2 of its 3.2 MB read per token); speculation stays lossless. Build one with `python -m "
-        "serving.engine.spec.token_map build`. None: the full vocabulary.",
+        "tokens and its lm_head computes only their rows, which makes each draft step cheaper; speculation stays "
+        "lossless. Build one with `python -m serving.engine.spec.token_map build`. auto: the draft directory's "
+        f"{TOKEN_MAP_NAME} when its manifest.json lists it (or the directory has no manifest); none (or null): the "
+        "full vocabulary.",
     )
 
     @property
@@ -216,7 +237,9 @@ class SpeculativePolicy(StrictModel):
     @field_validator("draft_token_map")
     @classmethod
     def _token_map_inside_the_draft(cls, name: str | None) -> str | None:
-        if name is not None:
+        if name is None or name.lower() == "none":
+            return None
+        if name != "auto":
             check_token_map_name(name)
         return name
 

@@ -2,7 +2,7 @@
 
 Every field shared with the server config is borrowed from its section (default, bounds, description), so
 the two cannot drift; :meth:`EngineConfig.from_server_config` is the one place the names are mapped.
-Only what the server config has no key for is declared here (tokenizer, seed, threads, dtype ``auto``).
+Only what the server config has no key for is declared here (tokenizer, seed, the long dtype names).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from serving.config import (
     CompileMode,
     DecodeAttentionMode,
     ModelSection,
+    NumThreads,
     Quantization,
     SchedulerSection,
     ServerConfig,
@@ -25,7 +26,7 @@ from serving.config import (
     section_field,
 )
 
-# The server's choices plus the engine's own: `auto` (the checkpoint's dtype on CUDA, fp32 on CPU) and long names.
+# The server's choices (`auto` included) plus the engine's long names.
 DType = Literal["fp32", "bf16", "fp16", "float32", "bfloat16", "float16", "auto"]
 
 # The engine speculates exactly as the server's `speculative` section says.
@@ -34,7 +35,7 @@ SpeculativeConfig = SpeculativeSection
 
 class EngineConfig(StrictModel):
     model: str = section_field(ModelSection, "path")
-    dtype: DType = Field("auto", description="Weight precision; `auto` when the engine is used without a server.")
+    dtype: DType = Field("auto", description=ModelSection.model_fields["dtype"].description)
     device: str = section_field(ModelSection, "device")
     tokenizer: str | None = Field(None, description="Tokenizer directory; default: the model directory.")
     kv_block_size: int = section_field(SchedulerSection, "kv_block_size")
@@ -51,7 +52,7 @@ class EngineConfig(StrictModel):
     max_queue: int = section_field(SchedulerSection, "max_queue")
     enable_prefix_caching: bool = section_field(SchedulerSection, "enable_prefix_caching")
     seed: int = Field(0, description="Seeds the generators of requests that bring no seed.")
-    num_threads: int | None = Field(None, ge=1, description="CPU: torch intra-op threads (process-wide).")
+    num_threads: NumThreads = section_field(ModelSection, "num_threads")
     speculative: SpeculativeSection = Field(default_factory=SpeculativeSection)
     # KV heads (and MLP width) must divide evenly: checked against the checkpoint when the engine starts
     tensor_parallel_size: int = section_field(ModelSection, "tensor_parallel_size")
@@ -81,6 +82,7 @@ class EngineConfig(StrictModel):
             # checks requests against min(engine limit, max_input_len + max_output_len).
             max_model_len=model.max_model_len,
             quantization=model.quantization,
+            num_threads=model.num_threads,
             compile=model.compile,
             cpu_weight_packing=model.cpu_weight_packing,
             cpu_decode_attention=model.cpu_decode_attention,

@@ -22,9 +22,11 @@ from serving.engine.cpu_attention import AttentionDecision
 from serving.engine.cpu_attention import choose as choose_attention
 from serving.engine.cpu_attention import unsupported_reason as attention_unsupported
 from serving.engine.cpu_linear import PackingDecision, choose, unsupported_reason
+from serving.engine.cpu_threads import ThreadsDecision
+from serving.engine.cpu_threads import choose as choose_threads
 from serving.engine.grammar import RequestGrammar, apply_grammar_masks
 from serving.engine.kv_cache import BlockManager, KVCache, kv_bytes_per_block
-from serving.engine.loader import load_model, read_model_args, resolve_dtype
+from serving.engine.loader import dtype_reason, load_model, read_model_args, resolve_dtype
 from serving.engine.model import KERNEL_MAX_QUERY, Transformer
 from serving.engine.parallel.group import TensorParallelGroup, start_workers
 from serving.engine.request import Request
@@ -92,14 +94,14 @@ class LLMEngine:
         self.weight_packing: list[PackingDecision] = []  # per model (target, draft): set by pack_weights()
         self.draft_rollout: RolloutDecision | None = None  # set by prepare_draft_rollout() (a draft model only)
         self.decode_attention: list[AttentionDecision] = []  # per model (target, draft): set by choose_attention()
+        self.threads: ThreadsDecision | None = None  # set by from_config (model.num_threads)
+        self.dtype_reason = "the model was built with it"  # from_config: why model.dtype resolved as it did
 
     # ---- construction -------------------------------------------------------------------------------
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
-        if config.num_threads:
-            # process-wide, set when the engine is built (never at import): small models on a busy CPU
-            # run several times faster on one thread than on threads that wait for each other
+        if isinstance(config.num_threads, int):  # before loading: the load's own kernels run on these threads
             torch.set_num_threads(config.num_threads)
         if config.device == "cuda" and not torch.cuda.is_available():
             # Never fall back to CPU when the deployment asked for the GPU: stay not ready and say why.
@@ -118,6 +120,8 @@ class LLMEngine:
         try:
             model = load_model(config.model, dtype, device, max_model_len, config.quantization,
                                shard=(0, config.tensor_parallel_size))
+            # process-wide, decided once the model is loaded (auto measures it) and before every measured choice
+            threads = choose_threads(model, config.num_threads)
             # per device: a tensor-parallel rank holds its share of the KV heads
             per_block = kv_bytes_per_block(args.n_layers, model.args.n_kv_heads, args.head_dim,
                                            config.kv_block_size, dtype)
@@ -135,13 +139,42 @@ class LLMEngine:
                 tp_group.shutdown()
             raise
         engine.tp_group = tp_group
+        engine.dtype_reason = dtype_reason(config.dtype, args, device)
+        engine.threads = threads
         # CPU with a draft: the rollout first (compiled and measured on the plain weights it needs), then packing
         engine.prepare_draft_rollout()  # serving.engine.spec.rollout
         engine.pack_weights()  # CPU: measured per model at start-up, before ready (serving.engine.cpu_linear)
         engine.choose_attention()  # CPU: decode attention in place or gathered (serving.engine.cpu_attention)
         if compiles(config.compile, device) and tp_group is None:
             engine.compile_steps()  # part of start-up: the server reports ready only after it
+        log.info("start-up decisions: %s", "; ".join(f"{key} {value} ({why})" for key, value, why in engine.decisions()))
         return engine
+
+    def decisions(self) -> list[tuple[str, str, str]]:
+        """Every choice the engine took by itself at start-up, as (setting, what was chosen, why): the one log
+        line at start-up, and what the benchmarks print beside their figures."""
+        config = self.config
+        rows = [("model.dtype", str(self.dtype).removeprefix("torch."), self.dtype_reason)]
+        if self.threads is not None:
+            rows.append(("model.num_threads", str(self.threads.threads or torch.get_num_threads()),
+                         self.threads.reason))
+        rows.append(("model.compile", "on" if self.compiled is not None else "off",
+                     f"model.compile is {config.compile} on {self.device.type}"))
+        rows += [(f"model.cpu_weight_packing[{d.model}]", "packed" if d.packed else "dense", d.reason)
+                 for d in self.weight_packing]
+        rows += [(f"model.cpu_decode_attention[{d.model}]", "kernel" if d.kernel else "gather + SDPA", d.reason)
+                 for d in self.decode_attention]
+        if self.speculator is not None:
+            spec = config.speculative
+            rows.append(("speculative", f"{spec.method}, k <= {spec.num_draft_tokens}",
+                         "adaptive: k per step from measured costs" if spec.adaptive else "k at every step"))
+            proposer = self.speculator.proposer
+            if isinstance(proposer, DraftModelProposer):
+                rows.append(("speculative.draft_token_map", proposer.token_map or "none", proposer.token_map_reason))
+            if self.draft_rollout is not None:
+                rows.append(("speculative.draft_rollout", "on" if self.draft_rollout.enabled else "off",
+                             self.draft_rollout.reason))
+        return rows
 
     def compile_steps(self, measure: bool | None = None, whole_decode: bool | None = None,
                       backend: str = "inductor") -> None:

@@ -42,8 +42,19 @@ def resolve_dtype(name: str, args: ModelArgs, device: torch.device) -> torch.dty
             return torch.float32
         return _DTYPES.get(str(args.torch_dtype), torch.bfloat16)
     if name not in _DTYPES:
-        raise ValueError(f"unsupported dtype {name!r}; use one of fp32, bf16, fp16")
+        raise ValueError(f"unsupported dtype {name!r}; use one of auto, fp32, bf16, fp16")
     return _DTYPES[name]
+
+
+def dtype_reason(name: str, args: ModelArgs, device: torch.device) -> str:
+    """Why resolve_dtype chose what it did (the start-up decisions' log line)."""
+    if name != "auto":
+        return f"model.dtype is {name}"
+    if device.type == "cpu":
+        return "auto: fp32 on CPU (the decode-attention kernel is fp32-only; verify and decode rows round alike)"
+    if str(args.torch_dtype) in _DTYPES:
+        return f"auto: the checkpoint's torch_dtype {args.torch_dtype} on {device.type}"
+    return f"auto: bf16 on {device.type} (the checkpoint names no torch_dtype)"
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:

@@ -9,7 +9,7 @@ from serving.config import ModelSection, ServerConfig, SpeculativeSection
 from serving.engine.config import EngineConfig, SpeculativeConfig
 
 # The engine's own settings: the server config has no key for them.
-ENGINE_ONLY = {"dtype", "tokenizer", "seed", "num_threads"}
+ENGINE_ONLY = {"tokenizer", "seed"}
 
 
 def test_engine_defaults_equal_the_server_configs() -> None:

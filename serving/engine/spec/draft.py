@@ -35,7 +35,7 @@ from serving.engine.request import Request
 from serving.engine.sampling import SamplingRows, draw_uniforms, greedy_tokens, logits_to_probs, sample_from_probs
 from serving.engine.spec.proposer import Proposals
 from serving.engine.spec.rollout import MAX_LAG, DraftRollout, RolloutDecision, prepare
-from serving.engine.spec.token_map import apply_token_map, read_token_map, token_map_path
+from serving.engine.spec.token_map import apply_token_map, read_token_map, resolve, token_map_path
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,8 @@ class DraftModelProposer:
         self.catch_up_tokens_total = 0  # sequence tokens the draft computed (prompts, accepted and emitted tokens)
         self.prefix_hit_tokens_total = 0  # sequence tokens found in the draft's prefix cache instead
         self.token_map_size: int | None = None  # load(token_map=...): the tokens the draft may propose
+        self.token_map: str | None = None  # the file it came from
+        self.token_map_reason = "the full vocabulary"  # why (speculative.draft_token_map, resolved)
 
     @classmethod
     def load(
@@ -93,18 +95,22 @@ class DraftModelProposer:
         block_size: int,
         token_map: str | None = None,
     ) -> DraftModelProposer:
-        """The draft model, checked against the target's tokenizer; with token_map (speculative.draft_token_map, a
-        file in draft_dir) its lm_head restricted to the map's tokens (serving.engine.spec.token_map)."""
+        """The draft model, checked against the target's tokenizer; with token_map (speculative.draft_token_map: a
+        file in draft_dir, or auto, serving.engine.spec.token_map.resolve) its lm_head restricted to the map's
+        tokens (serving.engine.spec.token_map)."""
         draft_dir, target_dir = Path(draft_dir), Path(target_dir)
         draft_args = read_model_args(draft_dir)
         check_same_tokenizer(target_dir, draft_dir, target_args, draft_args)
+        token_map, reason = resolve(draft_dir, token_map)
         # a bad map is refused before the weights are read
         ids = read_token_map(token_map_path(draft_dir, token_map), draft_args.vocab_size) if token_map else None
         model = load_model(draft_dir, dtype, device, max_model_len)
         proposer = cls(model, num_blocks, block_size)
+        proposer.token_map_reason = reason
         if token_map is not None and ids is not None:
             apply_token_map(model, ids)
             proposer.token_map_size = len(ids)
+            proposer.token_map = token_map
             log.info("draft token map %s: the draft proposes %d of %d tokens", token_map, len(ids),
                      model.args.vocab_size)
         return proposer

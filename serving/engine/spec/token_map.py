@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from serving.config import check_token_map_name
+from serving.config import TOKEN_MAP_NAME, check_token_map_name
 from serving.files import atomic_write
 
 UNMAPPED_LOGIT = -1e30
@@ -48,6 +48,34 @@ def token_map_path(draft_dir: str | Path, name: str) -> Path:
     except ValueError as e:
         raise TokenMapError(str(e)) from None
     return Path(draft_dir) / name
+
+
+def resolve(draft_dir: str | Path, setting: str | None) -> tuple[str | None, str]:
+    """The token map file the draft uses for `speculative.draft_token_map` (None: the full vocabulary), and why.
+
+    auto takes the draft directory's TOKEN_MAP_NAME when the directory's manifest.json lists it, so that it was
+    pushed, pulled and hash-verified with the weights; a directory without a manifest (a local checkout) has
+    nothing to check it against and its file is taken as it is. A map beside a manifest that does not list it
+    is refused, with the reason. An explicit name is used as given."""
+    from serving.weights.manifest import MANIFEST_NAME, WeightsError, load_manifest
+
+    if setting is None:
+        return None, "speculative.draft_token_map is none"
+    if setting != "auto":
+        return setting, "speculative.draft_token_map names it"
+    directory = Path(draft_dir)
+    if not (directory / TOKEN_MAP_NAME).is_file():
+        return None, f"auto: the draft's directory has no {TOKEN_MAP_NAME}"
+    if not (directory / MANIFEST_NAME).exists():
+        return TOKEN_MAP_NAME, f"auto: {TOKEN_MAP_NAME} in the draft's directory (no {MANIFEST_NAME} to check it against)"
+    try:
+        listed = {entry.path for entry in load_manifest(directory).files}
+    except WeightsError as e:
+        return None, f"auto: not used, the draft's {MANIFEST_NAME} cannot be read ({e})"
+    if TOKEN_MAP_NAME not in listed:
+        return None, (f"auto: not used, {TOKEN_MAP_NAME} is in the draft's directory but not in its {MANIFEST_NAME}, "
+                      f"so it was not verified with the weights (name it in speculative.draft_token_map to use it)")
+    return TOKEN_MAP_NAME, f"auto: {TOKEN_MAP_NAME}, listed in the draft's {MANIFEST_NAME}"
 
 
 def read_token_map(path: Path, vocab_size: int) -> torch.Tensor:
