@@ -31,6 +31,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 from pydantic_settings.sources.utils import parse_env_vars
 
+# Where the settings below are measured (every run, by date)
+MEASURED_IN = "docs/benchmarks/log.md"
 ENV_PREFIX = "SPECDEPLOY__"
 ENV_DELIMITER = "__"
 
@@ -142,22 +144,25 @@ class ModelSection(StrictModel):
     )
     compile: CompileMode = Field(
         "auto", description="Small steps (decode, verify) padded to token-count buckets and compiled with "
-        "torch.compile at start-up, before ready; CUDA graphs per bucket on CUDA. auto: on for CUDA, off for CPU; "
-        "on: also on CPU (each bucket measured at warm-up, kept only where it beats eager); off: eager everywhere.",
+        "torch.compile at start-up, before ready; CUDA graphs per bucket on CUDA. Faster steps for a longer start-up. "
+        "auto: on for CUDA, off for CPU; on: also on CPU (each bucket measured at warm-up, kept only where it beats "
+        "eager); off: eager everywhere. Measured: " + MEASURED_IN + "#model-compile.",
     )
     cpu_weight_packing: WeightPacking = Field(
-        "auto", description="CPU: matmul weights reordered once at load into oneDNN's blocked layout (2-2.5x "
-        "faster matmuls for verify and batched steps). auto: per model (target, draft), kept where a one-token "
-        "step measured at start-up is not slower; on: always; off: plain nn.Linear. CPU, fp32/bf16, unquantized, "
-        "without tensor parallelism or model.compile on.",
+        "auto", description="CPU: matmul weights reordered once at load into oneDNN's blocked layout, which makes "
+        "multi-row steps (verify, batched decode) cheaper but can make a one-token step dearer on some CPUs. auto: "
+        "per model (target, draft), kept where a one-token step measured at start-up is not slower; on: always; "
+        "off: plain nn.Linear. CPU, fp32/bf16, unquantized, without tensor parallelism or model.compile on. "
+        "Measured: " + MEASURED_IN + "#model-cpu-weight-packing.",
     )
     cpu_decode_attention: DecodeAttentionMode = Field(
         "auto", description="CPU: decode steps and verify steps (up to 16 query tokens) attend through a small C++ "
         "kernel that reads the paged KV cache in place instead of gathering it into a copy for SDPA (built at "
-        "start-up with the host's C++ compiler and cached, or a portable build shipped in the image). auto: per "
-        "model (target, draft), kept where decode groups measured at start-up take <= 0.95 of the gather path's "
-        "time; on: wherever it applies (refused by name where it cannot: no compiler and no portable build, not "
-        "CPU, not fp32, tensor parallel); off: gather + SDPA.",
+        "start-up with the host's C++ compiler and cached, or a portable build shipped in the image): less memory "
+        "traffic, for a half-second build at start-up. auto: per model (target, draft), kept where decode groups "
+        "measured at start-up take <= 0.95 of the gather path's time; on: wherever it applies (refused by name where "
+        "it cannot: no compiler and no portable build, not CPU, not fp32, tensor parallel); off: gather + SDPA. "
+        "Measured: " + MEASURED_IN + "#model-cpu-decode-attention.",
     )
 
 
@@ -205,7 +210,8 @@ class SpeculativePolicy(StrictModel):
     method: Literal["draft", "ngram"] = Field("draft", description="Proposer: a draft model or n-gram lookup.")
     num_draft_tokens: int = Field(
         12, ge=1, le=16, description="k: the most draft tokens a sequence verifies in one step (the adaptive "
-        "policy picks 0..k per step); the default is the best k measured on the demo pair (docs/engine.md).",
+        "policy picks 0..k per step): a larger k gains more tokens a step when drafts are accepted and costs more "
+        "draft work when they are not. Measured: " + MEASURED_IN + "#speculative-num-draft-tokens.",
     )
     adaptive: bool = Field(True, description="Choose k per step from measured cost and acceptance (0 allowed).")
     ngram_min: int = Field(1, ge=1, le=8, description="Shortest suffix matched by the n-gram proposer.")
@@ -213,12 +219,15 @@ class SpeculativePolicy(StrictModel):
     draft_rollout: DraftRolloutMode = Field(
         "auto", description="CPU, method draft: the draft model's catch-up token(s) and its k greedy drafts run "
         "as one graph compiled by inductor at start-up, before ready (needs a C++ compiler), instead of one eager "
-        "forward per token. auto: kept where the start-up measurement finds it faster; on: always; off: never.",
+        "forward per token: cheaper drafting for a lone sequence, for a compile at start-up. auto: kept where the "
+        "start-up measurement finds it faster; on: always; off: never. "
+        "Measured: " + MEASURED_IN + "#speculative-draft-rollout.",
     )
     draft_rollout_wrapper: RolloutWrapper = Field(
-        "cpp", description="What calls the compiled rollout's kernels: cpp, inductor's C++ wrapper (a rollout of "
-        "the demo draft 0.85 ms against 1.19 ms; the first compile on a host takes ~40 s on 2 cores, later starts "
-        "reuse inductor's cache), or python, its Python wrapper (compiles in ~4 s).",
+        "cpp", description="What calls the compiled rollout's kernels: cpp, inductor's C++ wrapper (cheaper "
+        "rollouts, for a first compile on a host about ten times longer; later starts reuse inductor's cache), or "
+        "python, its Python wrapper (where start-up time matters more). "
+        "Measured: " + MEASURED_IN + "#speculative-draft-rollout-wrapper.",
     )
 
     draft_token_map: str | None = Field(
@@ -227,7 +236,7 @@ class SpeculativePolicy(StrictModel):
         "tokens and its lm_head computes only their rows, which makes each draft step cheaper; speculation stays "
         "lossless. Build one with `python -m serving.engine.spec.token_map build`. auto: the draft directory's "
         f"{TOKEN_MAP_NAME} when its manifest.json lists it (or the directory has no manifest); none (or null): the "
-        "full vocabulary.",
+        "full vocabulary. Measured: " + MEASURED_IN + "#speculative-draft-token-map.",
     )
 
     @property
