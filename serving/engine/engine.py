@@ -387,7 +387,7 @@ class LLMEngine:
                 row_grammars[start] = None if d else r.grammar  # verify rows are masked by the speculator
             logits = apply_grammar_masks(logits, row_grammars)
         if not any(drafts):
-            tokens = sample_requests(logits, [r.params for r in reqs], [r.generator for r in reqs],
+            tokens = sample_requests(logits, [r.params for r in reqs], [r.noise_key() for r in reqs],
                                      [r.output_token_ids for r in reqs])
             return [[t] for t in tokens.tolist()]
         assert self.speculator is not None
@@ -396,8 +396,8 @@ class LLMEngine:
         emitted: list[list[int]] = [[] for _ in reqs]
         if plain:
             idx = torch.tensor([starts[i] for i in plain], device=logits.device)
-            sampled = sample_requests(logits[idx], [reqs[i].params for i in plain], [reqs[i].generator for i in plain],
-                                      [reqs[i].output_token_ids for i in plain])
+            sampled = sample_requests(logits[idx], [reqs[i].params for i in plain],
+                                      [reqs[i].noise_key() for i in plain], [reqs[i].output_token_ids for i in plain])
             for i, t in zip(plain, sampled.tolist(), strict=True):
                 emitted[i] = [t]
         rows = [range(starts[i], starts[i + 1]) for i in verifying]

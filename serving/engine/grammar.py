@@ -7,15 +7,14 @@
                              mask_verify_rows: the verify row at draft position j masked with the matcher
                              advanced through drafts 0..j-1, then rolled back
 
-Drafts and losslessness. A deterministic draft (n-gram lookup, one-hot q) is cut *before* the first token
-the grammar rejects: the length of the draft then depends on the context only, and the target samples that
-position itself. A sampled draft (a draft model's q) keeps that first rejected token as its last one: the
-masked target gives it probability 0, so the rejection sampler rejects it and samples the residual
-max(0, p - q) — the ordinary lossless rule. Cutting a sampled draft before it would sample p instead of the
-residual there, and bias the output toward what the draft rarely proposes.
+Drafts and losslessness. Drafts are cut *before* the first token the grammar rejects. Verification emits the
+target's own token at every position (spec/rejection.py: the draft decides how many tokens are emitted, never
+which), and the masked target never picks a token the grammar rejects, so such a draft could only be rejected.
 
 The matcher only ever holds the tokens the request really emitted: drafts walked through it are rolled back
-at once, and `Request.append_output_tokens` accepts what verification emitted.
+at once, and `Request.append_output_tokens` accepts what verification emitted. A terminated matcher (its stop
+token accepted) is never fed another token: `RequestGrammar.accept` refuses it without calling xgrammar, which
+would print a warning to stderr, outside the structured log.
 """
 
 from __future__ import annotations
@@ -150,8 +149,9 @@ class RequestGrammar:
         return bool(self.matcher.is_terminated())
 
     def accept(self, token: int) -> bool:
+        """Advance the matcher by token; False (the matcher unchanged) when the grammar rejects it or has ended."""
         started = time.perf_counter()
-        ok = 0 <= token < self.vocab_size and bool(self.matcher.accept_token(token))
+        ok = 0 <= token < self.vocab_size and not self.is_terminated and bool(self.matcher.accept_token(token))
         ENGINE_TIME.seconds += time.perf_counter() - started
         return ok
 
@@ -162,15 +162,15 @@ class RequestGrammar:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
-    def admissible_drafts(self, drafts: list[int], *, sampled: bool) -> list[int]:
-        """The drafts cut at the first one the grammar rejects (kept as the last one when `sampled`)."""
+    def admissible_drafts(self, drafts: list[int]) -> list[int]:
+        """The drafts cut before the first one the grammar rejects, and after one that ends it."""
         accepted = 0
         for token in drafts:
-            if self.is_terminated or not self.accept(token):
+            if not self.accept(token):
                 break
             accepted += 1
         self.rollback(accepted)
-        return drafts[: accepted + 1] if sampled and accepted < len(drafts) else drafts[:accepted]
+        return drafts[:accepted]
 
 
 def _mask_rows(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:
@@ -205,8 +205,8 @@ def mask_verify_rows(
     logits: torch.Tensor, grammars: Sequence[RequestGrammar | None], drafts: Sequence[list[int]]
 ) -> None:
     """In place: request i owns len(drafts[i]) + 1 consecutive rows of logits; its row j is masked with its
-    matcher advanced through drafts[i][:j]. Rows after a draft the grammar rejects are left as they are: the
-    masked row of that draft gives it probability 0, so verification never reaches them."""
+    matcher advanced through drafts[i][:j]. Rows after a draft the grammar rejects, or after one that ends it,
+    are left as they are: verification never emits past them (the request stops at the grammar's end)."""
     if all(g is None for g in grammars):
         return
     started = time.perf_counter()

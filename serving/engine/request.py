@@ -7,8 +7,6 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from serving.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from serving.engine.types import FinishReason, RequestOutput, SamplingParams, TokenLogprobs
 
@@ -47,7 +45,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.max_model_len = max_model_len
         self.stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-        self.generator = torch.Generator().manual_seed(params.seed if params.seed is not None else default_seed)
+        # every random draw of output position t is a function of (seed, t): sampling.position_noise
+        self.seed = params.seed if params.seed is not None else default_seed
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop)
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
@@ -76,6 +75,10 @@ class Request:
         for position, entry in enumerate(entries, start=first_position):
             if position == len(self.prompt_logprobs):
                 self.prompt_logprobs.append(entry)
+
+    def noise_key(self, offset: int = 0) -> tuple[int, int]:
+        """(seed, output position) of the token `offset` places after the last generated one."""
+        return self.seed, self.num_output_tokens + offset
 
     @property
     def num_tokens(self) -> int:

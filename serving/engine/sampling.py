@@ -1,7 +1,11 @@
 """Sampling: logits → processed probabilities → tokens, batched over rows with per-row parameters.
 
-Every request owns a `torch.Generator`; a row's randomness is drawn from its own generator only, so a
-seeded request samples the same tokens whatever else shares its batch.
+A sampled token is an exponential race (Gumbel-max): token = argmax(p / E) over the vocabulary, E one
+Exp(1) draw per token, which picks token x with probability exactly p(x). The draws of output position t of a
+request are a pure function of (its seed, t): `position_noise` seeds a generator with both and draws
+the vocabulary's E from it, nothing else. So a seeded request's text does not depend on what shares its
+batch, on how many tokens a step emits, or on whether speculation ran: the speculator's drafts and its
+verification use the same noise (serving/engine/spec/rejection.py).
 """
 
 from __future__ import annotations
@@ -80,43 +84,63 @@ def logits_to_probs(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     return probs
 
 
-def draw_uniforms(generators: list[torch.Generator], counts: list[int], device: torch.device) -> torch.Tensor:
-    """counts[i] uniforms in (0, 1] from generators[i], concatenated."""
-    draws = [1.0 - torch.rand(n, generator=g, device=g.device) for g, n in zip(generators, counts, strict=True)]
-    return torch.cat(draws).to(device) if draws else torch.empty(0, device=device)
+NoiseKey = tuple[int, int]  # (a request's seed, an output position): what a position's draws depend on, alone
+
+_MASK64 = (1 << 64) - 1
+_SMALLEST_UNIFORM = 2.0**-25  # below torch.rand's float32 step (2^-24): E stays finite, as p / E must
 
 
-def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling: one token per row of probs [N, V] from uniforms [N] in (0, 1]."""
-    cdf = probs.cumsum(dim=-1)
-    targets = (uniforms * cdf[:, -1]).unsqueeze(1)
-    return torch.searchsorted(cdf, targets).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+def position_seed(key: NoiseKey) -> int:
+    """A 63-bit generator seed for one output position of one request: splitmix64 over (seed, position), so
+    neighbouring seeds and positions give unrelated streams."""
+    seed, position = key
+    x = ((seed & _MASK64) * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+        x = ((x ^ (x >> shift)) * mult) & _MASK64
+    return (x ^ (x >> 31)) >> 1
 
 
-def sample(logits: torch.Tensor, rows: SamplingRows, generators: list[torch.Generator]) -> torch.Tensor:
-    """One token per row of fp32 logits [N, V]."""
+def position_noise(keys: list[NoiseKey], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """E [N, V]: row i is vocab_size Exp(1) draws, a function of keys[i] alone (one generator reseeded per row;
+    on CUDA a CUDA generator, so the draws stay on the device). E = -log(u), u uniform in (0, 1)."""
+    generator = torch.Generator(device=device)
+    rows = []
+    for key in keys:
+        generator.manual_seed(position_seed(key))
+        rows.append(torch.rand(vocab_size, generator=generator, device=device))
+    return torch.stack(rows).clamp_(min=_SMALLEST_UNIFORM).log_().neg_()
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The exponential race: argmax(p / E) per row of probs [N, V], token x winning with probability p(x) (for
+    E i.i.d. Exp(1) this is argmax(log p + Gumbel)). Ties need equal p / E ratios: probability 0."""
+    return greedy_tokens(probs / noise)
+
+
+def sample(logits: torch.Tensor, rows: SamplingRows, keys: list[NoiseKey]) -> torch.Tensor:
+    """One token per row of fp32 logits [N, V]; keys[i]: row i's (seed, output position)."""
     if rows.all_greedy:
         return greedy_tokens(logits)
     probs = logits_to_probs(logits, rows)
-    uniforms = draw_uniforms(generators, [1] * len(generators), logits.device)
-    sampled = sample_from_probs(probs, uniforms)
+    sampled = race(probs, position_noise(keys, logits.shape[-1], logits.device))
     return torch.where(rows.greedy, greedy_tokens(logits), sampled)
 
 
 def sample_requests(
     logits: torch.Tensor,
     params: list[SamplingParams],
-    generators: list[torch.Generator],
+    keys: list[NoiseKey],
     histories: list[list[int]] | None = None,
 ) -> torch.Tensor:
     """One token per row for rows with the given parameters; all-greedy batches skip building the rows.
 
-    histories[i]: the tokens row i generated so far, for its penalties (see logits.adjust_logits)."""
+    keys[i]: row i's (seed, output position) (Request.noise_key); histories[i]: the tokens row i generated so far,
+    for its penalties (see logits.adjust_logits)."""
     if histories is not None:
         logits = adjust_logits(logits, params, histories)
     if all(p.greedy for p in params):
         return greedy_tokens(logits)
-    return sample(logits, SamplingRows.from_params(params, logits.shape[-1], logits.device), generators)
+    return sample(logits, SamplingRows.from_params(params, logits.shape[-1], logits.device), keys)
 
 
 def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: list[int]) -> list[TokenLogprobs]:

@@ -12,15 +12,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    import torch
-
     from serving.engine.request import Request
 
 
 @dataclass
 class Proposals:
     tokens: dict[str, list[int]] = field(default_factory=dict)  # req_id -> draft tokens (absent: none)
-    probs: dict[str, torch.Tensor] = field(default_factory=dict)  # req_id -> q [k, vocab]; absent: one-hot q
     forward_seconds: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds) per draft forward
     rollout_seconds: float = 0.0  # a compiled rollout's time (priced as a whole: Proposer.fixed_draft_seconds)
 

@@ -142,11 +142,11 @@ def letters_grammar(ebnf: str) -> xgr.CompiledGrammar:
     return xgr.GrammarCompiler(info).compile_grammar(ebnf)
 
 
-def test_deterministic_drafts_are_cut_before_the_first_rejected_token() -> None:
+def test_drafts_are_cut_before_the_first_rejected_token_and_after_the_end() -> None:
     grammar = RequestGrammar(letters_grammar('root ::= "a" "b" "c"'))
-    assert grammar.admissible_drafts([1, 2, 5, 3], sampled=False) == [1, 2]
-    assert grammar.admissible_drafts([1, 2, 5, 3], sampled=True) == [1, 2, 5]  # rejected by verification
-    assert grammar.admissible_drafts([1, 2, 3, 0], sampled=False) == [1, 2, 3, 0]
+    assert grammar.admissible_drafts([1, 2, 5, 3]) == [1, 2]
+    assert grammar.admissible_drafts([1, 2, 3, 0]) == [1, 2, 3, 0]
+    assert grammar.admissible_drafts([1, 2, 3, 0, 1, 2]) == [1, 2, 3, 0]  # nothing after the stop token
     assert grammar.accept(1)  # the walks were rolled back: the matcher is still at the start
 
 

@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 
-from serving.engine.sampling import SamplingRows, greedy_tokens, logits_to_probs, sample, sample_from_probs
+from serving.engine.sampling import SamplingRows, greedy_tokens, logits_to_probs, position_noise, race, sample
 from serving.engine.types import GenerationRequest, SamplingParams
 
 
@@ -34,16 +34,25 @@ def test_rows_get_their_own_parameters_and_greedy_rows_take_argmax() -> None:
     probs = logits_to_probs(logits, rows)
     assert probs[0].tolist() == [0, 0, 0, 1] and probs[1].tolist() == [0, 0, 0, 1]
     assert (probs[2] > 0).all()
-    gens = [torch.Generator().manual_seed(i) for i in range(3)]
-    assert sample(logits, rows, gens)[:2].tolist() == [3, 3]
+    assert sample(logits, rows, [(i, 0) for i in range(3)])[:2].tolist() == [3, 3]
 
 
-def test_inverse_cdf_sampling_follows_the_distribution() -> None:
+def test_the_exponential_race_follows_the_distribution() -> None:
     probs = torch.tensor([[0.2, 0.0, 0.5, 0.3]]).expand(20000, 4)
-    tokens = sample_from_probs(probs, 1.0 - torch.rand(20000, generator=torch.Generator().manual_seed(0)))
+    tokens = race(probs, position_noise([(seed, 7) for seed in range(20000)], 4, torch.device("cpu")))
     freq = torch.bincount(tokens, minlength=4).float() / 20000
     assert freq[1] == 0
     assert torch.allclose(freq, probs[0], atol=0.015)
+
+
+def test_a_positions_noise_depends_on_its_seed_and_position_alone() -> None:
+    cpu = torch.device("cpu")
+    one = position_noise([(5, 3)], 64, cpu)
+    assert torch.equal(position_noise([(1, 0), (5, 3), (9, 9)], 64, cpu)[1], one[0])  # neighbours do not matter
+    assert not torch.equal(position_noise([(5, 4)], 64, cpu), one)
+    assert not torch.equal(position_noise([(6, 3)], 64, cpu), one)
+    assert not torch.equal(position_noise([(-(2**63), 3)], 64, cpu), one)  # the whole signed range is a seed
+    assert bool((one > 0).all()) and bool(torch.isfinite(one).all())
 
 
 def test_seeded_output_does_not_depend_on_batch_neighbours(kit: Any, llama_dir: Path) -> None:

@@ -203,11 +203,10 @@ def test_speculative_sampling_keeps_the_target_distribution(
 def test_the_distribution_test_detects_a_broken_acceptance_rule(
     kit: Any, small_vocab_pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def accept_everything(p: torch.Tensor, drafts: list[int], q: Any, generator: torch.Generator) -> list[int]:
-        bonus = torch.multinomial(p[len(drafts)], 1, generator=generator)
-        return drafts + [int(bonus)]
+    def accept_everything(target_tokens: list[int], drafts: list[int]) -> list[int]:
+        return drafts + [target_tokens[len(drafts)]]
 
-    monkeypatch.setattr(speculator_module, "rejection_sample", accept_everything)
+    monkeypatch.setattr(speculator_module, "accept_drafts", accept_everything)
     target, draft = small_vocab_pair
     params = SamplingParams(temperature=1.0)
     p2, _ = exact_marginals(target, params)
