@@ -163,3 +163,20 @@ def test_the_compiler_caches_by_schema_and_names_bad_schemas(kit: Any) -> None:
         compiler.compile(GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "frobnicate"}}}))
     with pytest.raises(GrammarError, match="must be an object"):
         GrammarSpec.json_schema(["not", "a", "schema"])
+
+
+@needs_demo
+@pytest.mark.parametrize("spec", ["ngram", "draft"])
+def test_constrained_generation_with_speculation_writes_nothing_to_stderr(
+    kit: Any, spec: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A matcher fed after its stop token makes xgrammar print a warning to stderr (file descriptor 2, outside the
+    structured log): no walk may do that (issue 37, 276 lines in one run)."""
+    rng = random.Random(11)
+    schemas = [random_schema(rng) for _ in range(8)]
+    engine = demo_engine(kit, spec)
+    capfd.readouterr()
+    for sampled in (False, True):
+        check_outputs(schemas, generate(engine, schemas, sampled))
+    assert engine.stats().spec.num_drafts > 0
+    assert capfd.readouterr().err == ""
