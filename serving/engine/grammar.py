@@ -68,10 +68,12 @@ class GrammarSpec:
         """One call of one of `functions` (name -> its parameters' JSON schema; None: any object)."""
         if not functions:
             raise GrammarError("a tool call grammar needs at least one function")
+        # the name before the arguments (xgrammar writes properties in the schema's order), so a stream can say
+        # which function is called before its arguments come (serving/api/tools.py); each schema canonical
         calls = [{"type": "object", "properties": {"name": {"const": name},
-                                                    "arguments": params if params else {"type": "object"}},
+                                                    "arguments": json.loads(_canonical(params or {"type": "object"}))},
                   "required": ["name", "arguments"]} for name, params in sorted(functions.items())]
-        return cls("tool_call", _canonical(calls[0] if len(calls) == 1 else {"anyOf": calls}))
+        return cls("tool_call", json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls}, separators=(",", ":")))
 
 
 def _canonical(schema: Any) -> str:

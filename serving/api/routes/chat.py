@@ -94,13 +94,12 @@ async def _chunks(choices: Choices, base: dict[str, Any], body: ChatCompletionRe
         text, calls = output.new_text, list[dict[str, Any]]()
         finish_reason: str | None = output.finish_reason if output.finished else None
         parser = parsers.get(index)
-        if parser is not None:  # tool calls leave the content stream and come whole, as delta.tool_calls
-            made = parser.calls_made
-            text, calls = parser.feed(text)
+        if parser is not None:  # tool calls leave the content stream for delta.tool_calls, arguments in pieces
+            text, pieces = parser.feed(text)
             if output.finished:
                 more, last = parser.finish()
-                text, calls = text + more, calls + last
-            calls = tool_call_deltas(calls, made)
+                text, pieces = text + more, pieces + last
+            calls = tool_call_deltas(pieces)
             if finish_reason == "stop" and parser.calls_made:
                 finish_reason = "tool_calls"
         delta: dict[str, Any] = {"content": text} if text else {}

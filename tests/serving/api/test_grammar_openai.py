@@ -91,7 +91,7 @@ def test_tool_calling_round_trip(client: openai.OpenAI) -> None:
     assert answer.usage is not None and answer.usage.prompt_tokens > first.usage.prompt_tokens  # type: ignore
 
 
-def test_named_tool_choice_streams_the_call_as_tool_call_deltas(client: openai.OpenAI) -> None:
+def test_named_tool_choice_streams_the_call_as_tool_call_deltas_arguments_in_pieces(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
         model=MODEL_NAME, messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER_TOOL, TIME_TOOL],
         tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=80, temperature=0.7,
@@ -103,8 +103,11 @@ def test_named_tool_choice_streams_the_call_as_tool_call_deltas(client: openai.O
             content += choice.delta.content or ""
             finish = choice.finish_reason or finish
     assert finish == "tool_calls" and "<tool_call>" not in content
-    assert [d.function.name for d in deltas if d.function] == ["get_weather"] and deltas[0].index == 0
-    jsonschema.validate(json.loads(deltas[0].function.arguments), WEATHER_TOOL["function"]["parameters"])
+    assert [d.function.name for d in deltas if d.function and d.function.name] == ["get_weather"]
+    assert deltas[0].id and deltas[0].function.name == "get_weather" and {d.index for d in deltas} == {0}
+    assert len(deltas) > 2  # the name first, then the arguments as they were generated (issue 37)
+    arguments = "".join(d.function.arguments or "" for d in deltas if d.function)
+    jsonschema.validate(json.loads(arguments), WEATHER_TOOL["function"]["parameters"])
 
 
 def test_tool_choice_naming_an_unknown_function_is_a_400(client: openai.OpenAI) -> None:

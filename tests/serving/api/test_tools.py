@@ -44,7 +44,33 @@ def test_streamed_calls_are_found_whatever_the_chunk_boundaries(seed: int) -> No
         content, calls = content + more, calls + found
     more, found = stream.finish()
     assert content + more == "Sure.  done <tool almost"
-    assert [json.loads(c["function"]["arguments"]) for c in calls + found] == [{"city": "Paris"}]
+    calls += found
+    assert [c.name for c in calls if c.id] == ["get_weather"]
+    arguments = "".join(c.arguments for c in calls)  # what a client accumulates
+    assert json.loads(arguments) == {"city": "Paris"}
+    assert [c.done["function"]["arguments"] for c in calls if c.done] == [arguments]
+
+
+def test_a_call_streams_its_arguments_in_pieces_as_they_come() -> None:
+    """The name as soon as it is written, then every piece of the arguments except what may close the call."""
+    stream = ToolCallStream()
+    _, first = stream.feed('<tool_call>{"name": "get_weather", "arguments": ')
+    assert [(c.index, c.name, c.arguments) for c in first] == [(0, "get_weather", "")]
+    _, more = stream.feed('{"city": "Pa')
+    assert [c.arguments for c in more] == ['{"city": "Pa']
+    _, more = stream.feed('ris", "days": {"n": 2}}')  # the last brace may be the call's own: held back
+    assert [c.arguments for c in more] == ['ris", "days": {"n": 2}']
+    _, last = stream.feed("}</tool_call>")
+    assert [c.arguments for c in last] == ["}", ""] and last[-1].done is not None
+    assert json.loads(last[-1].done["function"]["arguments"]) == {"city": "Paris", "days": {"n": 2}}
+
+
+def test_a_call_written_arguments_first_comes_whole() -> None:
+    stream = ToolCallStream()
+    _, pieces = stream.feed('<tool_call>{"arguments": {"city": "Rome"}, ')
+    assert pieces == []
+    _, pieces = stream.feed('"name": "get_weather"}</tool_call>')
+    assert [(c.name, json.loads(c.arguments)) for c in pieces] == [("get_weather", {"city": "Rome"})]
 
 
 def test_fallback_prompt_lists_tools_and_writes_calls_and_results_as_text() -> None:
