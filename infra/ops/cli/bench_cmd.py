@@ -144,6 +144,31 @@ def register(subparsers: Any) -> None:
     grammar.add_argument("--repeats", type=int, default=2, help="interleaved runs per side; the best counts")
     grammar.add_argument("--json-out", type=Path, help="also write the JSON report to this file")
     grammar.set_defaults(func=_bench_grammar)
+
+    http = actions.add_parser(
+        "http",
+        help="speculation on ÷ off through HTTP from the plain server config (c=1 speed-up, P99, greedy identity, "
+             "c>1 ratios); --matrix: the load-safety matrix (k x token map x dtype x proposer x concurrency)",
+        description="Servers started with `specdeploy serve` and a config naming only the model paths (plus a "
+                    "port and a long request timeout): every other key at its default, no thread variables. "
+                    "Held-out code prompts, greedy, EOS ignored. Default pair: the demo target and draft.",
+    )
+    http.add_argument("--target", type=Path, help="target model directory (default: the demo target)")
+    http.add_argument("--draft", type=Path, help="draft model directory (default: the demo draft)")
+    http.add_argument("--matrix", action="store_true",
+                      help="the load-safety matrix instead of the plain config's run")
+    http.add_argument("--concurrency", help="comma-separated list (default 1,16,64; with --matrix 4,16,64)")
+    http.add_argument("--output-len", type=int, default=96, help="tokens generated per request (default 96)")
+    http.add_argument("--prompts", type=int, default=8, help="held-out code prompts (default 8)")
+    http.add_argument("--repeats", type=int, default=2,
+                      help="c=1: rounds over the prompts; c>1: closed-loop runs per side, the best counts (default 2)")
+    http.add_argument("--dtypes", default="fp32,bf16", help="--matrix: model.dtype values (default fp32,bf16)")
+    http.add_argument("--ks", default="4,8,12", help="--matrix: speculative.num_draft_tokens values (default 4,8,12)")
+    http.add_argument("--threads-check", action="store_true",
+                      help="also spec-off c=1 with every explicit model.num_threads 1..cores against auto")
+    http.add_argument("--workdir", type=Path, help="keep the servers' configs and logs here (default: a temp dir)")
+    http.add_argument("--json-out", type=Path, help="also write the JSON report to this file")
+    http.set_defaults(func=_bench_http)
     try:  # `bench server` (HTTP vs engine) belongs to the server and lives beside this module
         from infra.ops.cli.bench_server import register_server
     except ImportError:
@@ -263,6 +288,60 @@ def _bench_spec(args: argparse.Namespace) -> int:
         sys.stderr.write(f"policy trace: {len(trace)} choices in {args.trace_policy}\n")
     _print_spec_tables(report)
     return 0
+
+
+def _bench_http(args: argparse.Namespace) -> int:
+    import logging
+
+    from infra.validation import httpbench
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
+    concurrency = _concurrencies(args.concurrency or ("4,16,64" if args.matrix else "1,16,64"))
+    target, draft = _model_dir(args.target).resolve(), _model_dir(args.draft, "draft").resolve()
+
+    def say(line: str) -> None:
+        sys.stderr.write(line + "\n")
+
+    with httpbench.scratch_dir(args.workdir) as workdir:
+        if args.matrix:
+            report = httpbench.run_matrix(target, draft, concurrency, args.output_len, args.prompts,
+                                          max(args.repeats, 1), [d for d in args.dtypes.split(",") if d],
+                                          _concurrencies(args.ks), Path(workdir), say)
+        else:
+            report = httpbench.run_plain(target, draft, concurrency, args.output_len, args.prompts,
+                                         max(args.repeats, 1), args.threads_check, Path(workdir), say)
+    text = httpbench.dumps(report)
+    sys.stdout.write(text + "\n")
+    if args.json_out:
+        args.json_out.write_text(text + "\n")
+    _print_http_table(report)
+    return 0
+
+
+def _print_http_table(report: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from infra.validation.httpbench import GOALS, summary
+
+    console = Console(stderr=True, width=200)
+    console.print(f"server config of every run (plus the row's keys): {json.dumps(report.base_config)}")
+    for dtype, line in report.off_decisions.items():
+        console.print(f"spec-off server ({dtype}) start-up decisions: {line}")
+    table = Table(title=f"spec on ÷ off through HTTP — {report.output_len} tokens, {report.prompts} held-out "
+                        "code prompts, greedy")
+    for column in ("configuration", "c", "off tok/s", "on tok/s", "on ÷ off", "P99 on ÷ off", "greedy identical"):
+        table.add_column(column)
+    for result in report.results:
+        for pair in result.pairs:
+            identical = f"{pair.identical}/{pair.compared}" if pair.compared is not None else ""
+            flag = "" if pair.concurrency == 1 or pair.ratio >= GOALS["loaded_ratio"] else " (below 0.97)"
+            table.add_row(result.variant.name, str(pair.concurrency), f"{pair.off_tokens_per_s:.1f}",
+                          f"{pair.on_tokens_per_s:.1f}", f"{pair.ratio:.3f}{flag}", f"{pair.p99_ratio:.3f}", identical)
+    console.print(table)
+    for result in report.results:
+        console.print(f"[{result.variant.name}] start-up decisions: {result.decisions}")
+    console.print(f"summary: {json.dumps(summary(report))}  goals: {json.dumps(GOALS)}")
 
 
 def _bench_grammar(args: argparse.Namespace) -> int:

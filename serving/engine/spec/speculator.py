@@ -18,6 +18,7 @@ from serving.engine.logits import adjust_logits
 from serving.engine.request import Request
 from serving.engine.sampling import SamplingRows, greedy_tokens, sample
 from serving.engine.scheduler import Scheduler, SchedulerOutput
+from serving.engine.spec.guard import SpeculationGuard
 from serving.engine.spec.policy import EARLY_OUTPUTS, SpeculationPolicy
 from serving.engine.spec.proposer import Proposals, Proposer
 from serving.engine.spec.rejection import accept_drafts
@@ -48,6 +49,10 @@ class Speculator:
         self._drafted: set[str] = set()  # requests that have drafted: their draft has caught up once
         self._early: set[str] = set()  # requests whose current drafts were proposed early (EARLY_OUTPUTS)
         self._bookkeeping_seconds = 0.0  # this step's after_update, charged with the next proposals
+        # adaptive: the policy's choices held against the clock (guard.py); a fixed k is what the operator asked for
+        self.guard = SpeculationGuard() if config.adaptive else None
+        self._cycle: tuple[float, int, bool] | None = None  # the cycle under way: (start, decoding, drafted)
+        self._cycle_tokens: int | None = None  # tokens its step emitted; None where it also prefilled or preempted
         # called with SpeculationPolicy.describe() of every choice when set (bench spec --trace-policy)
         self.trace: Callable[[dict[str, object]], None] | None = None
 
@@ -56,6 +61,10 @@ class Speculator:
     def propose_next(self, scheduler: Scheduler) -> None:
         """Give every decoding request that may speculate its draft tokens for the next step."""
         started = time.perf_counter()
+        if self.guard is not None and self._cycle is not None and self._cycle_tokens is not None:
+            cycle_start, num_decoding, drafted = self._cycle
+            self.guard.observe(num_decoding, drafted, self._cycle_tokens, started - cycle_start)
+        self._cycle = None
         decoding = [r for r in scheduler.running if r.num_computed_tokens == r.num_tokens - 1 and not r.is_finished]
         candidates = {}
         for req in decoding:
@@ -65,6 +74,9 @@ class Speculator:
             if req.params.speculative and cap > 0:
                 candidates[req.request_id] = cap
         if not candidates:
+            return
+        if self.guard is not None and not self.guard.allows_drafting(len(decoding)):
+            self._cycle = (started, len(decoding), False)
             return
         by_id = {r.request_id: r for r in decoding}
         alone = len(candidates) == 1
@@ -78,6 +90,8 @@ class Speculator:
         flat = self.proposer.fixed_draft_seconds(by_id[next(iter(candidates))]) if len(candidates) == 1 else None
         early = {rid for rid in candidates if by_id[rid].num_output_tokens < EARLY_OUTPUTS}
         ks = self.policy.choose(candidates, len(decoding), catch_up, flat, lags, early)
+        if self.guard is not None:
+            self._cycle = (started, len(decoding), any(k > 0 for k in ks.values()))
         speculating = [by_id[rid] for rid, k in ks.items() if k > 0]
         self._early = early
         proposed = self.proposer.propose(speculating, ks)
@@ -159,6 +173,10 @@ class Speculator:
                 self._record_verification(accepted, len(drafts))
                 verified.append((req.request_id, accepted, len(drafts), req.request_id in self._early))
         self.policy.observe_verifications(verified)  # before release() forgets the finished ones
+        # the guard's cycle counts only if this step decoded and verified, nothing else
+        clean = not sched.preempted_ids and all(
+            n == 1 + len(sched.spec_token_ids.get(rid, [])) for rid, n in sched.num_scheduled_tokens.items())
+        self._cycle_tokens = sum(len(tokens) for tokens in sampled.values()) if clean else None
         for req in sched.scheduled:
             if req.is_finished:
                 self.release(req.request_id)

@@ -80,7 +80,7 @@ def test_a_token_map_may_sit_in_a_subdirectory_of_the_draft() -> None:
     section = SpeculativeSection(enabled=True, method="draft", draft_model="/d", draft_token_map="maps/code.json")
     assert section.draft_token_map == "maps/code.json"
     assert token_map_path("/d", "maps/code.json") == Path("/d/maps/code.json")
-    assert SpeculativeSection().draft_token_map is None  # the full vocabulary by default
+    assert SpeculativeSection().draft_token_map == "auto"  # the draft's own token_map.json where it ships one
 
 
 def test_the_head_computes_the_mapped_logits_and_leaves_the_rest_out() -> None:

@@ -1,0 +1,123 @@
+"""The guard over the adaptive policy: speculation stays on only where it measures faster than not speculating.
+
+The policy (policy.py) chooses k from a model: fitted step costs and acceptance estimates. A model leaves things
+out. Under load the cost of a speculating sequence is spread over the forward, the draft, the bookkeeping and
+everything the process does between steps (the API thread emitting several tokens a step, under one GIL), and
+a choice that the model prices at +5 % can run at -10 %. The guard checks the choice against the clock.
+
+It times engine *cycles*: from one proposal to the next, which holds the drafting for a step, the step that
+verifies it, and whatever runs between steps. A cycle drafted (some sequence got k > 0) or it did not; cycles
+whose step also carried prefill tokens or preempted a request are left out, and the rest are kept apart by how
+many sequences decode (half-octave buckets: 1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64 ...). Per bucket the guard
+keeps the tokens per second of drafting and of plain cycles (decayed sums of tokens and seconds). Then:
+
+- a bucket with too few plain cycles gets one now and then (every 4th cycle until there are MIN_SAMPLES, then
+  one every REFRESH_NEAR cycles so that the figure follows the load): the policy is not consulted for that
+  cycle and nothing drafts, so that it costs what a spec-off engine's step does;
+- where drafting cycles measure slower than plain ones (below MARGIN of them), the bucket is vetoed: every k is
+  0, except for PROBE_CYCLES drafting cycles every PROBE_EVERY, so that a veto lifts when speculation pays again.
+
+Plain cycles are refreshed rarely where drafting clearly wins (FAR_AHEAD): there each forced plain cycle costs
+what speculation would have gained.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MIN_SAMPLES = 6  # cycles of each kind before the bucket's rates are compared
+MARGIN = 0.99  # drafting must measure at least this fraction of plain cycles' tokens/s
+DECAY = 0.9  # per observed cycle of the kind: about the last ten count
+FAR_AHEAD = 1.25  # drafting this much faster: plain cycles refreshed every REFRESH_FAR cycles...
+REFRESH_NEAR, REFRESH_FAR = 48, 400  # ...else every REFRESH_NEAR
+PROBE_EVERY, PROBE_CYCLES = 96, 4  # while vetoed: this many drafting cycles every PROBE_EVERY
+
+
+def bucket(num_decoding: int) -> int:
+    """Half-octave bucket of the number of decoding sequences."""
+    return int(round(2 * math.log2(max(num_decoding, 1))))
+
+
+@dataclass
+class Rate:
+    tokens: float = 0.0
+    seconds: float = 0.0
+    samples: int = 0
+    age: int = 0  # cycles of the bucket since the last sample
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self.tokens = DECAY * self.tokens + tokens
+        self.seconds = DECAY * self.seconds + seconds
+        self.samples += 1
+        self.age = 0
+
+    @property
+    def per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class Bucket:
+    drafting: Rate = field(default_factory=Rate)
+    plain: Rate = field(default_factory=Rate)
+    vetoed: bool = False
+    cycles: int = 0  # cycles seen in this bucket
+    probing: int = 0  # drafting cycles left in the current probe of a veto
+
+    def ratio(self) -> float | None:
+        """Drafting ÷ plain tokens/s, once both have MIN_SAMPLES."""
+        if min(self.drafting.samples, self.plain.samples) < MIN_SAMPLES or self.plain.per_second <= 0:
+            return None
+        return self.drafting.per_second / self.plain.per_second
+
+
+@dataclass
+class SpeculationGuard:
+    buckets: dict[int, Bucket] = field(default_factory=dict)
+    vetoes_total: int = 0  # buckets turned off (a bucket that turns off, on and off again counts twice)
+    forced_plain_total: int = 0  # cycles set to k = 0 to measure plain decoding
+    vetoed_cycles_total: int = 0  # cycles set to k = 0 by a veto
+
+    def observe(self, num_decoding: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """One clean cycle (no prefill, no preemption) with num_decoding sequences: tokens emitted in `seconds`."""
+        b = self.buckets.setdefault(bucket(num_decoding), Bucket())
+        (b.drafting if drafted else b.plain).observe(tokens, seconds)
+        ratio = b.ratio()
+        if ratio is None:
+            return
+        if ratio < MARGIN and not b.vetoed:
+            b.vetoed = True
+            self.vetoes_total += 1
+        elif ratio >= MARGIN and b.vetoed and b.probing == 0:
+            b.vetoed = False
+
+    def allows_drafting(self, num_decoding: int) -> bool:
+        """Whether the next cycle with num_decoding sequences may draft (the policy then chooses k), or must run
+        plain: every k = 0, and the policy not even consulted, so that a plain cycle costs what spec-off does."""
+        b = self.buckets.setdefault(bucket(num_decoding), Bucket())
+        b.cycles += 1
+        b.plain.age += 1
+        b.drafting.age += 1
+        if b.vetoed:
+            if b.probing == 0 and b.drafting.age >= PROBE_EVERY:
+                b.probing = PROBE_CYCLES
+            if b.probing > 0:
+                b.probing -= 1
+                return True
+            self.vetoed_cycles_total += 1
+            return False
+        if b.plain.samples < MIN_SAMPLES:
+            due = b.cycles % 4 == 0
+        else:
+            ratio = b.ratio()
+            due = b.plain.age >= (REFRESH_FAR if ratio is not None and ratio >= FAR_AHEAD else REFRESH_NEAR)
+        if due:
+            self.forced_plain_total += 1
+        return not due
+
+    def describe(self) -> dict[str, object]:
+        """Per bucket: drafting and plain tokens/s, their sample counts, and whether it is vetoed."""
+        return {str(k): {"drafting_tps": round(b.drafting.per_second, 1), "plain_tps": round(b.plain.per_second, 1),
+                         "samples": [b.drafting.samples, b.plain.samples], "vetoed": b.vetoed}
+                for k, b in sorted(self.buckets.items())}

@@ -1,0 +1,95 @@
+"""The guard holds the adaptive policy's choices against the clock (serving.engine.spec.guard)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from serving.engine.config import SpeculativeConfig
+from serving.engine.spec import guard as g
+from serving.engine.spec.guard import SpeculationGuard, bucket
+from serving.engine.types import GenerationRequest, SamplingParams
+
+
+def run_cycles(guard: SpeculationGuard, cycles: int, decoding: int, drafting_tps: float, plain_tps: float) -> list[bool]:
+    """`cycles` cycles at `decoding` sequences: each one drafting where the guard allows it, timed at the rate
+    given for its kind (tokens fixed, seconds from the rate); returns what the guard allowed."""
+    allowed = []
+    for _ in range(cycles):
+        drafts = guard.allows_drafting(decoding)
+        allowed.append(drafts)
+        tokens = 2 * decoding if drafts else decoding
+        guard.observe(decoding, drafts, tokens, tokens / (drafting_tps if drafts else plain_tps))
+    return allowed
+
+
+def test_buckets_are_half_octaves_of_the_decoding_sequences() -> None:
+    assert [bucket(n) for n in (1, 2, 3, 4, 6, 8, 16, 64)] == [0, 2, 3, 4, 5, 6, 8, 12]
+    assert bucket(15) == bucket(16) == bucket(17)
+
+
+def test_until_plain_cycles_are_measured_every_fourth_cycle_runs_plain() -> None:
+    guard = SpeculationGuard()
+    allowed = run_cycles(guard, 4 * g.MIN_SAMPLES, 16, drafting_tps=2000, plain_tps=1000)
+    assert allowed.count(False) == g.MIN_SAMPLES and all(allowed[i] is False for i in range(3, len(allowed), 4))
+
+
+def test_where_drafting_wins_it_stays_on_and_plain_cycles_are_rare() -> None:
+    guard = SpeculationGuard()
+    run_cycles(guard, 4 * g.MIN_SAMPLES, 1, drafting_tps=2500, plain_tps=1000)
+    allowed = run_cycles(guard, 2 * g.REFRESH_FAR, 1, drafting_tps=2500, plain_tps=1000)
+    assert allowed.count(False) <= 2 and not guard.buckets[bucket(1)].vetoed
+
+
+def test_where_drafting_loses_the_bucket_is_vetoed_and_probed_now_and_then() -> None:
+    guard = SpeculationGuard()
+    run_cycles(guard, 8 * g.MIN_SAMPLES, 64, drafting_tps=1800, plain_tps=2000)
+    assert guard.buckets[bucket(64)].vetoed and guard.vetoes_total == 1
+    allowed = run_cycles(guard, 10 * g.PROBE_EVERY, 64, drafting_tps=1800, plain_tps=2000)
+    # drafting only in probes: PROBE_CYCLES every PROBE_EVERY cycles
+    assert allowed.count(True) <= 11 * g.PROBE_CYCLES
+    assert allowed.count(True) >= 9 * g.PROBE_CYCLES
+    assert guard.buckets[bucket(64)].vetoed
+
+
+def test_a_veto_lifts_when_probes_measure_faster_and_buckets_are_independent() -> None:
+    guard = SpeculationGuard()
+    run_cycles(guard, 8 * g.MIN_SAMPLES, 64, drafting_tps=1800, plain_tps=2000)
+    run_cycles(guard, 8 * g.MIN_SAMPLES, 1, drafting_tps=2500, plain_tps=1000)
+    assert guard.buckets[bucket(64)].vetoed and not guard.buckets[bucket(1)].vetoed
+    run_cycles(guard, 20 * g.PROBE_EVERY, 64, drafting_tps=3000, plain_tps=2000)  # the load changed
+    assert not guard.buckets[bucket(64)].vetoed
+
+
+def test_an_engine_stops_drafting_where_drafting_is_slower(kit: Any, llama_dir: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A proposer whose every proposal costs 20 ms (a tiny model's step is ~1 ms): the policy, which prices drafts
+    by its own fits, is overruled by the clock, and the engine runs plain."""
+    engine = kit.make_engine(llama_dir, speculative=SpeculativeConfig(enabled=True, method="ngram",
+                                                                      num_draft_tokens=4))
+    speculator = engine.speculator
+    assert speculator is not None and speculator.guard is not None
+    propose = speculator.proposer.propose
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.02)
+        return propose(*args, **kwargs)
+
+    monkeypatch.setattr(speculator.proposer, "propose", slow)
+    # repetitive prompts: the n-gram proposer finds matches, so the policy wants to draft
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    for i in range(2):
+        engine.add_request(GenerationRequest(f"r{i}", [5, 6, 7, 8] * 6, params))
+    while engine.has_unfinished_requests():
+        engine.step()
+    state = speculator.guard.buckets[bucket(2)]
+    assert state.vetoed, speculator.guard.describe()
+    assert speculator.guard.vetoed_cycles_total > 40
+
+
+def test_a_fixed_k_has_no_guard(kit: Any, llama_dir: Path) -> None:
+    engine = kit.make_engine(llama_dir, speculative=SpeculativeConfig(enabled=True, method="ngram", adaptive=False))
+    assert engine.speculator is not None and engine.speculator.guard is None
