@@ -34,7 +34,7 @@ SERVED_NAME = "bench"
 @dataclass
 class ServerBenchReport:
     model: str
-    threads: int
+    threads: int | str  # model.num_threads of both sides ("auto": each decided at its start-up)
     output_len: int
     requests: int
     stream: bool
@@ -45,6 +45,7 @@ class ServerBenchReport:
     ttft_s: list[float] = field(default_factory=list)
     engine_cpu_s: list[float] = field(default_factory=list)  # CPU time of the bench process per request
     server_cpu_s: list[float] = field(default_factory=list)  # CPU time of the server process per request
+    decisions: list[tuple[str, str, str]] = field(default_factory=list)  # the in-process engine's start-up decisions
 
     @property
     def ratio(self) -> float:
@@ -70,7 +71,7 @@ class ServerBenchReport:
                 "cpu_ratio": round(self.cpu_ratio, 4), "goal": GOAL, "meets_goal": self.paired_ratio >= GOAL}
 
 
-def run_server_benchmark(model_dir: Path, output_len: int, threads: int, requests: int,
+def run_server_benchmark(model_dir: Path, output_len: int, threads: int | str, requests: int,
                          stream: bool) -> ServerBenchReport:
     """Alternate engine and HTTP requests (same prompt each round), so load from other processes
     on a shared machine hits both sides alike."""
@@ -84,6 +85,7 @@ def run_server_benchmark(model_dir: Path, output_len: int, threads: int, request
     with tempfile.TemporaryDirectory(prefix="specdeploy-bench-") as tmp, _server(model_dir, Path(tmp), output_len,
                                                                                   threads) as (base, pid):
         engine, prompts = _load_engine(model_dir, threads, requests)
+        report.decisions = engine.decisions()
         with httpx.Client(base_url=base, timeout=600) as client:
             _complete(client, prompts[0], 8, stream)  # warm-up
             engine_tokens = http_tokens = 0
@@ -109,16 +111,12 @@ def run_server_benchmark(model_dir: Path, output_len: int, threads: int, request
     return report
 
 
-def _load_engine(model_dir: Path, threads: int, requests: int) -> tuple[Any, list[list[int]]]:
-    import torch
-
+def _load_engine(model_dir: Path, threads: int | str, requests: int) -> tuple[Any, list[list[int]]]:
     from serving.engine.benchmark import bench_engine, default_prompts
     from serving.engine.config import EngineConfig
     from serving.engine.engine import LLMEngine
 
-    torch.set_num_threads(threads)
-    engine = LLMEngine.from_config(EngineConfig(model=str(model_dir), device="cpu", dtype="fp32",
-                                                kv_cache_bytes=256 * 2**20, num_threads=threads))
+    engine = LLMEngine.from_config(EngineConfig(model=str(model_dir), device="cpu", num_threads=threads))
     prompts = default_prompts(model_dir, engine.tokenizer)
     prompts = [prompts[i % len(prompts)] for i in range(requests)]
     bench_engine(engine, prompts, 1, 8)  # warm-up
@@ -132,7 +130,7 @@ def _engine_request(engine: Any, prompt: list[int], output_len: int) -> Any:
 
 
 @contextlib.contextmanager
-def _server(model_dir: Path, workdir: Path, output_len: int, threads: int) -> Iterator[tuple[str, int]]:
+def _server(model_dir: Path, workdir: Path, output_len: int, threads: int | str) -> Iterator[tuple[str, int]]:
     """`specdeploy serve` for the model (published to a scratch file:// store first), ready; yields its
     URL and pid."""
     from serving.weights import push
@@ -142,12 +140,13 @@ def _server(model_dir: Path, workdir: Path, output_len: int, threads: int) -> It
     port = free_port()
     config = {
         "service": {"host": "127.0.0.1", "port": port, "served_model_name": SERVED_NAME, "weights_uri": store},
-        "model": {"path": str(workdir / "model"), "dtype": "fp32", "device": "cpu", "kv_cache_bytes": 256 * 2**20},
+        "model": {"path": str(workdir / "model"), "device": "cpu", "num_threads": threads},
         "scheduler": {"max_output_len": max(output_len, 16), "request_timeout_s": 600},
     }
     (workdir / "server.yaml").write_text(yaml.safe_dump(config))
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEPLOY")}
-    env.update(SPECDEPLOY_ENV="development", OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    env = {k: v for k, v in env.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}  # the config decides
+    env.update(SPECDEPLOY_ENV="development")
     with (workdir / "server.log").open("wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "infra.ops.cli.main", "serve", "--config",
                                  str(workdir / "server.yaml")], env=env, stdout=log, stderr=subprocess.STDOUT)

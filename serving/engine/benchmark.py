@@ -45,7 +45,7 @@ class EngineBenchReport:
     model: str
     device: str
     dtype: str
-    threads: int
+    threads: int  # torch threads the engine ran on (model.num_threads, decided at start-up unless given)
     prompt_tokens: list[int]  # prompt length of each distinct prompt
     output_len: int
     repeats: int = 1  # rounds over all systems; each result is the best of its rounds
@@ -56,6 +56,7 @@ class EngineBenchReport:
     compiled: list[BucketDecision] = field(default_factory=list)  # per bucket: eager vs compiled at warm-up
     weight_packing: list[dict[str, Any]] = field(default_factory=list)  # the engine's PackingDecision per model
     decode_attention: list[dict[str, Any]] = field(default_factory=list)  # its AttentionDecision per model
+    decisions: list[tuple[str, str, str]] = field(default_factory=list)  # the engine's start-up decisions
 
 
     def to_dict(self) -> dict[str, Any]:
@@ -148,7 +149,7 @@ def run_engine_benchmark(
     model_dir: Path,
     concurrencies: list[int],
     output_len: int,
-    threads: int,
+    threads: int | str = "auto",
     baselines: bool = True,
     profile: bool = False,
     device: str = "cpu",
@@ -158,10 +159,10 @@ def run_engine_benchmark(
     weight_packing: WeightPacking = "auto",
     decode_attention: DecodeAttentionMode = "auto",
 ) -> EngineBenchReport:
-    torch.set_num_threads(threads)
     max_c = max(concurrencies)
-    config = EngineConfig(model=str(model_dir), device=device, kv_cache_bytes=256 * 2**20,
-                          max_num_seqs=max(max_c, 1), max_num_batched_tokens=max(512, max_c),
+    # the server's defaults but for what a flag sets (threads "auto": the engine decides, as a server does)
+    config = EngineConfig(model=str(model_dir), device=device,
+                          max_num_seqs=max(max_c, EngineConfig.model_fields["max_num_seqs"].default),
                           num_threads=threads, compile=compile_mode, dtype=dtype, cpu_weight_packing=weight_packing,
                           cpu_decode_attention=decode_attention)
     engine = LLMEngine.from_config(config)
@@ -171,7 +172,8 @@ def run_engine_benchmark(
                                output_len=output_len,
                                compiled=engine.compiled.decisions if engine.compiled is not None else [],
                                weight_packing=[asdict(d) for d in engine.weight_packing],
-                               decode_attention=[asdict(d) for d in engine.decode_attention])
+                               decode_attention=[asdict(d) for d in engine.decode_attention],
+                               decisions=engine.decisions())
     runs: list[Callable[[], RunResult]] = []
     for c in concurrencies:
         runs.append(functools.partial(bench_engine, engine, prompts, c, output_len))

@@ -13,6 +13,7 @@ operator set for the process). On CUDA the host threads only launch kernels and 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -84,7 +85,7 @@ def choose(model: Transformer, setting: int | str, cores: int | None = None) -> 
     for n in counts:  # warm-up: each count's thread pool and kernels once
         torch.set_num_threads(n)
         forward_seconds(model, context, 1, repeats=1)
-    interleaved_medians([lambda n=n: timed(n) for n in counts], _ROUNDS, _MIN_ROUNDS, _BUDGET_S)
+    interleaved_medians([functools.partial(timed, n) for n in counts], _ROUNDS, _MIN_ROUNDS, _BUDGET_S)
     medians = {n: (_median([s[0] for s in runs]), _median([s[1] for s in runs])) for n, runs in steps.items()}
     best_narrow = min(m[0] for m in medians.values())
     best_wide = min(m[1] for m in medians.values())

@@ -22,7 +22,7 @@ from serving.engine.cpu_attention import AttentionDecision
 from serving.engine.cpu_attention import choose as choose_attention
 from serving.engine.cpu_attention import unsupported_reason as attention_unsupported
 from serving.engine.cpu_linear import PackingDecision, choose, unsupported_reason
-from serving.engine.cpu_threads import ThreadsDecision
+from serving.engine.cpu_threads import ThreadsDecision, usable_cores
 from serving.engine.cpu_threads import choose as choose_threads
 from serving.engine.grammar import RequestGrammar, apply_grammar_masks
 from serving.engine.kv_cache import BlockManager, KVCache, kv_bytes_per_block
@@ -121,7 +121,8 @@ class LLMEngine:
             model = load_model(config.model, dtype, device, max_model_len, config.quantization,
                                shard=(0, config.tensor_parallel_size))
             # process-wide, decided once the model is loaded (auto measures it) and before every measured choice
-            threads = choose_threads(model, config.num_threads)
+            share = max(usable_cores() // config.tensor_parallel_size, 1) if tp_group is not None else None
+            threads = choose_threads(model, config.num_threads, cores=share)
             # per device: a tensor-parallel rank holds its share of the KV heads
             per_block = kv_bytes_per_block(args.n_layers, model.args.n_kv_heads, args.head_dim,
                                            config.kv_block_size, dtype)
@@ -147,7 +148,8 @@ class LLMEngine:
         engine.choose_attention()  # CPU: decode attention in place or gathered (serving.engine.cpu_attention)
         if compiles(config.compile, device) and tp_group is None:
             engine.compile_steps()  # part of start-up: the server reports ready only after it
-        log.info("start-up decisions: %s", "; ".join(f"{key} {value} ({why})" for key, value, why in engine.decisions()))
+        log.info("start-up decisions: %s",
+                 "; ".join(f"{key} {value} ({why})" for key, value, why in engine.decisions()))
         return engine
 
     def decisions(self) -> list[tuple[str, str, str]]:

@@ -78,7 +78,7 @@ def _run(engine: LLMEngine, prompt: list[int], concurrency: int, output_len: int
     return generated / wall
 
 
-def run_grammar_benchmark(model_dir: Path, concurrencies: list[int], output_len: int = 128, threads: int = 1,
+def run_grammar_benchmark(model_dir: Path, concurrencies: list[int], output_len: int = 128, threads: int | str = "auto",
                           device: str = "cpu", repeats: int = 2, speculative: str = "off",
                           draft_dir: Path | None = None) -> GrammarBenchReport:
     spec = SpeculativeConfig()
@@ -97,7 +97,8 @@ def run_grammar_benchmark(model_dir: Path, concurrencies: list[int], output_len:
     grammar = compiler.compile(GrammarSpec.json_schema(SCHEMA))
     compile_s = time.perf_counter() - started
     prompt = list(engine.tokenizer(PROMPT_TEXT, add_special_tokens=False)["input_ids"])
-    report = GrammarBenchReport(str(model_dir), speculative, output_len, threads, repeats, round(compile_s, 4),
+    report = GrammarBenchReport(str(model_dir), speculative, output_len, torch.get_num_threads(), repeats,
+                                round(compile_s, 4),
                                 {"unconstrained": {}, "constrained": {}})
     with torch.inference_mode():
         _run(engine, prompt, 1, 8, None)  # warm-up

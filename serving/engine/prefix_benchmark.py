@@ -111,14 +111,13 @@ def run_prefix_benchmark(
     concurrency: int = 1,
     system_tokens: int = 1024,
     output_len: int = 32,
-    threads: int = 1,
+    threads: int | str = "auto",
     device: str = "cpu",
     weight_packing: WeightPacking = "auto",
     decode_attention: DecodeAttentionMode = "auto",
 ) -> PrefixBenchReport:
     if requests < 1 or concurrency < 1 or system_tokens < 1 or output_len < 1:
         raise ValueError("requests, concurrency, system prompt tokens and output length must all be positive")
-    torch.set_num_threads(threads)
     engines = {}
     for caching in (False, True):
         config = EngineConfig(model=str(model_dir), device=device, kv_cache_bytes=256 * 2**20,

@@ -29,6 +29,27 @@ _ATTENTION_ARG: dict[str, Any] = {
 }
 
 
+def threads(text: str) -> int | str:
+    """--threads: a count, or auto (the engine decides at start-up, as a server with model.num_threads auto)."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a thread count (a positive integer) or 'auto'")
+    return value
+
+
+# --threads of every bench: the server's model.num_threads
+THREADS_ARG: dict[str, Any] = {
+    "type": threads, "default": "auto",
+    "help": "model.num_threads of every engine measured (default auto, as the server: one core kept for the server, "
+            "the rest measured at start-up; the report lists the decision)",
+}
+
+
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("bench", help="benchmark the serving engine")
     actions = parser.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
@@ -42,9 +63,7 @@ def register(subparsers: Any) -> None:
     engine.add_argument("--model", type=Path, help="model directory (default: the demo target)")
     engine.add_argument("--concurrency", default="1,4,16,32", help="comma-separated list (default 1,4,16,32)")
     engine.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
-    engine.add_argument("--threads", type=int, default=1,
-                        help="torch threads for every system measured (default 1: fastest for small models "
-                             "on a shared CPU)")
+    engine.add_argument("--threads", **THREADS_ARG)
     engine.add_argument("--device", default="cpu", help="cpu or cuda")
     engine.add_argument("--no-baselines", action="store_true", help="skip the transformers baselines")
     engine.add_argument("--profile", action="store_true", help="append a torch.profiler op table")
@@ -75,9 +94,9 @@ def register(subparsers: Any) -> None:
     spec.add_argument("--concurrency", default="1,4,16,64", help="comma-separated list (default 1,4,16,64)")
     spec.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
     spec.add_argument("--prompts", type=int, default=8, help="held-out code prompts used (default 8)")
-    spec.add_argument("--k", type=int, default=12,
-                      help="largest number of draft tokens per step; the adaptive policy picks 0..k (default 12)")
-    spec.add_argument("--threads", type=int, default=1, help="torch threads for every system measured")
+    spec.add_argument("--k", type=int,
+                      help="speculative.num_draft_tokens: the most draft tokens a step (default: the server's)")
+    spec.add_argument("--threads", **THREADS_ARG)
     spec.add_argument("--no-baselines", action="store_true", help="skip transformers assisted generation")
     spec.add_argument("--repeats", type=int, default=2,
                       help="c=1: passes over the prompts, every prompt on each system back to back (all "
@@ -92,10 +111,10 @@ def register(subparsers: Any) -> None:
     spec.add_argument("--draft-rollout", choices=("auto", "on", "off"), default="auto",
                       help="speculative.draft_rollout of the draft engine (auto: the draft's catch-up and drafts as "
                            "one compiled graph on CPU where the start-up measurement finds it faster)")
-    spec.add_argument("--draft-token-map", metavar="NAME",
+    spec.add_argument("--draft-token-map", metavar="NAME", default="auto",
                       help="speculative.draft_token_map of the draft engine: a token map file in the draft's "
-                           "directory (default: token_map.json for the demo draft, which ships one; none otherwise); "
-                           "'none' for the full vocabulary")
+                           "directory, 'auto' (default, as the server: the draft's token_map.json where it ships one) "
+                           "or 'none'")
     spec.add_argument("--draft-rollout-wrapper", choices=("cpp", "python"), default="cpp",
                       help="speculative.draft_rollout_wrapper: what calls the rollout's compiled kernels (cpp: "
                            "inductor's C++ wrapper, ~40 s to compile the first time on a host; python: ~4 s)")
@@ -120,7 +139,7 @@ def register(subparsers: Any) -> None:
     prefix.add_argument("--requests", type=int, default=16, help="requests per engine (default 16)")
     prefix.add_argument("--concurrency", type=int, default=1, help="requests in flight (default 1)")
     prefix.add_argument("--output-len", type=int, default=32, help="tokens generated per request (default 32)")
-    prefix.add_argument("--threads", type=int, default=1, help="torch threads")
+    prefix.add_argument("--threads", **THREADS_ARG)
     prefix.add_argument("--device", default="cpu", help="cpu or cuda")
     prefix.add_argument("--cpu-weight-packing", **_PACKING_ARG)
     prefix.add_argument("--cpu-decode-attention", **_ATTENTION_ARG)
@@ -139,7 +158,7 @@ def register(subparsers: Any) -> None:
     grammar.add_argument("--speculative", choices=("off", "ngram", "draft"), default="off",
                          help="speculative decoding on both sides (draft: the demo draft, or --draft)")
     grammar.add_argument("--draft", type=Path, help="draft model directory (default: the demo draft)")
-    grammar.add_argument("--threads", type=int, default=1, help="torch threads")
+    grammar.add_argument("--threads", **THREADS_ARG)
     grammar.add_argument("--device", default="cpu", help="cpu or cuda")
     grammar.add_argument("--repeats", type=int, default=2, help="interleaved runs per side; the best counts")
     grammar.add_argument("--json-out", type=Path, help="also write the JSON report to this file")
@@ -263,13 +282,7 @@ def _bench_spec(args: argparse.Namespace) -> int:
     if args.trace_policy is not None and not args.trace_policy.parent.is_dir():
         raise CommandError(f"--trace-policy {args.trace_policy}: directory {args.trace_policy.parent} does not exist")
     trace: list[dict[str, Any]] | None = [] if args.trace_policy is not None else None
-    token_map = args.draft_token_map
-    if token_map is None and args.draft is None:
-        from serving.demo import DEMO_TOKEN_MAP
-
-        token_map = DEMO_TOKEN_MAP
-    elif token_map == "none":
-        token_map = None
+    token_map = None if args.draft_token_map == "none" else args.draft_token_map
     report = run_spec_benchmark(_model_dir(args.target), _model_dir(args.draft, "draft"),
                                 _concurrencies(args.concurrency), args.output_len, args.prompts, args.k,
                                 args.threads, baselines=not args.no_baselines, repeats=max(args.repeats, 1),
@@ -405,6 +418,8 @@ def _print_spec_tables(report: Any) -> None:
     from rich.table import Table
 
     console = Console(file=sys.stdout, width=120)
+    for name, decisions in report.decisions.items():
+        _print_decisions(console, name, decisions)
     c1 = Table(title=f"c=1, {report.prompts} held-out code prompts x {report.c1_rounds} interleaved rounds, "
                      f"{report.output_len} tokens each, greedy, k <= {report.num_draft_tokens}")
     for col in ("system", "tokens/s", "P50 s", "P99 s", "acceptance", "mean accepted length"):
@@ -463,6 +478,11 @@ def _print_spec_tables(report: Any) -> None:
     console.print(f"greedy output identical with spec off / draft / n-gram: {report.greedy_identical}")
 
 
+def _print_decisions(console: Any, name: str, decisions: list[Any]) -> None:
+    """The configuration a bench ran: the engine's start-up decisions (every `auto` it resolved, and why)."""
+    console.print(f"{name} start-up decisions: " + "; ".join(f"{key} {value} ({why})" for key, value, why in decisions))
+
+
 def _print_table(report: Any, concurrencies: list[int]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -489,6 +509,7 @@ def _print_table(report: Any, concurrencies: list[int]) -> None:
     for name, value in report.ratios.items():
         console.print(f"{name}: {value:.2f}x")
     _print_breakdown(console, report.breakdown)
+    _print_decisions(console, "engine", report.decisions)
 
 
 def _print_c1_prompts(console: Any, report: Any) -> None:

@@ -26,7 +26,9 @@ def register_server(actions: Any) -> None:
     server.add_argument("--model", type=Path, help="model directory (default: the demo target)")
     server.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
     server.add_argument("--requests", type=int, default=4, help="sequential requests per side (c=1)")
-    server.add_argument("--threads", type=int, default=1, help="torch threads on both sides (default 1)")
+    from infra.ops.cli.bench_cmd import THREADS_ARG
+
+    server.add_argument("--threads", **THREADS_ARG)
     server.add_argument("--stream", action="store_true", help="stream the HTTP responses (SSE)")
     server.add_argument("--json-out", type=Path, help="also write the JSON report to this file")
     server.set_defaults(func=_bench_server)
@@ -55,7 +57,10 @@ def _bench_server(args: argparse.Namespace) -> int:
     if args.json_out:
         args.json_out.write_text(json.dumps(data, indent=2) + "\n")
     verdict = "[green]meets[/]" if report.paired_ratio >= GOAL else "[red]below[/]"
-    Console(file=sys.stdout, width=120).print(
+    console = Console(file=sys.stdout, width=120)
+    console.print("engine start-up decisions (the server takes the same from the same config): "
+                  + "; ".join(f"{key} {value} ({why})" for key, value, why in report.decisions))
+    console.print(
         f"engine c=1: {report.engine_tokens_per_s:,.1f} tok/s   HTTP c=1 ({'stream' if args.stream else 'json'}): "
         f"{report.http_tokens_per_s:,.1f} tok/s   ratio {report.ratio:.3f}   paired ratio (median) "
         f"{report.paired_ratio:.3f} ({verdict} the {GOAL} goal)   CPU-time ratio {report.cpu_ratio:.3f}"

@@ -29,6 +29,7 @@ import torch.multiprocessing as mp
 
 from serving.engine.batch import SequenceInput
 from serving.engine.config import EngineConfig
+from serving.engine.cpu_threads import usable_cores
 from serving.engine.model import ModelArgs
 from serving.engine.parallel.shard import check_shardable
 from serving.engine.parallel.worker import WorkerSpec, attach_reduce, init_group, run_worker
@@ -224,7 +225,8 @@ def start_workers(
         raise ValueError(f"tensor_parallel_size {tp} needs {tp} CUDA devices; {torch.cuda.device_count()} visible")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"tensor parallelism runs on cpu (gloo) or cuda (nccl), not {device.type}")
-    threads = config.num_threads or max(1, (os.cpu_count() or 1) // tp)
+    # each rank its share of the cores unless the config names a count (rank 0 decides alike: engine.from_config)
+    threads = config.num_threads if isinstance(config.num_threads, int) else max(1, usable_cores() // tp)
     return TensorParallelGroup.start(
         world_size=tp, model_dir=config.model, dtype=dtype, device=device, max_model_len=max_model_len,
         quantization=config.quantization, block_size=config.kv_block_size, num_threads=threads,

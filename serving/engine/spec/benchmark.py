@@ -107,6 +107,7 @@ class SpecBenchReport:
     counters: dict[str, dict[str, Any]] = field(default_factory=dict)  # proposer -> its engine's SpecStats, whole run
     # where a c=1 step goes, spec off and draft (one more sequential pass each, profiled: StepBreakdown fields)
     c1_step_split: dict[str, dict[str, Any]] = field(default_factory=dict)
+    decisions: dict[str, list[tuple[str, str, str]]] = field(default_factory=dict)  # engine -> start-up decisions
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -118,12 +119,14 @@ class SpecBenchReport:
         return next((r for r in self.c1 if r.system == system and r.tokens_per_s > 0), None)
 
 
-def make_engine(target: Path, spec: SpeculativeConfig, max_num_seqs: int, threads: int,
+def make_engine(target: Path, spec: SpeculativeConfig, max_num_seqs: int, threads: int | str = "auto",
                 compile_mode: CompileMode = "auto", dtype: DType = "auto",
                 weight_packing: WeightPacking = "auto", decode_attention: DecodeAttentionMode = "auto") -> LLMEngine:
+    """An engine on the server's defaults but for what the bench's flags set."""
     return LLMEngine.from_config(EngineConfig(
-        model=str(target), device="cpu", kv_cache_bytes=256 * 2**20, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max(512, max_num_seqs), num_threads=threads, speculative=spec, compile=compile_mode,
+        model=str(target), device="cpu",
+        max_num_seqs=max(max_num_seqs, EngineConfig.model_fields["max_num_seqs"].default),
+        num_threads=threads, speculative=spec, compile=compile_mode,
         dtype=dtype, cpu_weight_packing=weight_packing, cpu_decode_attention=decode_attention,
     ))
 
@@ -349,8 +352,8 @@ def run_spec_benchmark(
     concurrencies: list[int],
     output_len: int,
     num_prompts: int,
-    k: int,
-    threads: int,
+    k: int | None = None,
+    threads: int | str = "auto",
     baselines: bool = True,
     repeats: int = 2,
     compile_mode: CompileMode = "auto",
@@ -361,11 +364,11 @@ def run_spec_benchmark(
     rollout_wrapper: RolloutWrapper = "cpp",
     decode_attention: DecodeAttentionMode = "auto",
     policy_trace: list[dict[str, Any]] | None = None,
-    draft_token_map: str | None = None,
+    draft_token_map: str | None = "auto",
 ) -> SpecBenchReport:
     """policy_trace: when given, every choice of the draft and n-gram engines' policies is appended to it
     (SpeculationPolicy.describe, with "system" and "phase": warm-up, c1-latency, c1-profile, throughput-c4, ...)."""
-    torch.set_num_threads(threads)
+    k = SpeculativeConfig().num_draft_tokens if k is None else k  # the server's default unless given
     max_c = max(concurrencies)
     engine_args = (max_c, threads, compile_mode, dtype, weight_packing, decode_attention)
     off = make_engine(target, SpeculativeConfig(enabled=False), *engine_args)
@@ -391,8 +394,9 @@ def run_spec_benchmark(
     report.decode_attention = {name: [asdict(d) for d in engine.decode_attention] for name, engine in systems.items()}
     report.draft_rollout = asdict(on_draft.draft_rollout) if on_draft.draft_rollout is not None else None
     proposer = on_draft.speculator.proposer if on_draft.speculator is not None else None
-    report.draft_token_map = draft_token_map
+    report.draft_token_map = getattr(proposer, "token_map", None)  # as resolved (auto: the draft's own, if any)
     report.draft_token_map_size = getattr(proposer, "token_map_size", None)
+    report.decisions = {name: engine.decisions() for name, engine in systems.items()}
 
     for engine in (off, on_draft, on_ngram):  # warm-up, and a first fit of the policy's cost model
         run_concurrent(engine, prompts, 2, 16)

@@ -67,7 +67,8 @@ def resolve(draft_dir: str | Path, setting: str | None) -> tuple[str | None, str
     if not (directory / TOKEN_MAP_NAME).is_file():
         return None, f"auto: the draft's directory has no {TOKEN_MAP_NAME}"
     if not (directory / MANIFEST_NAME).exists():
-        return TOKEN_MAP_NAME, f"auto: {TOKEN_MAP_NAME} in the draft's directory (no {MANIFEST_NAME} to check it against)"
+        return TOKEN_MAP_NAME, (f"auto: {TOKEN_MAP_NAME} in the draft's directory (no {MANIFEST_NAME} to check it "
+                                "against)")
     try:
         listed = {entry.path for entry in load_manifest(directory).files}
     except WeightsError as e:

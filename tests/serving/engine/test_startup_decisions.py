@@ -60,7 +60,8 @@ def test_dtype_auto_is_fp32_on_cpu_and_the_checkpoints_on_cuda(llama_dir: Path, 
                                                    "torch_dtype": "float16"}))
     assert resolve_dtype("auto", read_model_args(named), cuda) == torch.float16
     assert "torch_dtype float16" in dtype_reason("auto", read_model_args(named), cuda)
-    (named / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k not in ("torch_dtype", "dtype")}))
+    unnamed_config = {k: v for k, v in config.items() if k not in ("torch_dtype", "dtype")}
+    (named / "config.json").write_text(json.dumps(unnamed_config))
     unnamed = read_model_args(named)
     assert resolve_dtype("auto", unnamed, cuda) == torch.bfloat16
     assert "names no torch_dtype" in dtype_reason("auto", unnamed, cuda)

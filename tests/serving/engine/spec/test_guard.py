@@ -14,7 +14,8 @@ from serving.engine.spec.guard import SpeculationGuard, bucket
 from serving.engine.types import GenerationRequest, SamplingParams
 
 
-def run_cycles(guard: SpeculationGuard, cycles: int, decoding: int, drafting_tps: float, plain_tps: float) -> list[bool]:
+def run_cycles(guard: SpeculationGuard, cycles: int, decoding: int, drafting_tps: float,
+               plain_tps: float) -> list[bool]:
     """`cycles` cycles at `decoding` sequences: each one drafting where the guard allows it, timed at the rate
     given for its kind (tokens fixed, seconds from the rate); returns what the guard allowed."""
     allowed = []
