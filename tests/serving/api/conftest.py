@@ -48,7 +48,7 @@ class ServerProcess:
                           "request_timeout_s": 60, "max_batched_tokens": 512},
         }
         for section, values in (overrides or {}).items():
-            config[section].update(values)
+            config.setdefault(section, {}).update(values)
         self.config_path = workdir / "server.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEPLOY")}
@@ -106,6 +106,50 @@ def _serving(workdir: Path, model_store: str, overrides: dict[str, dict[str, Any
 def server(tmp_path_factory: pytest.TempPathFactory, model_store: str) -> Iterator[ServerProcess]:
     """The shared server: roomy limits, three API keys (one rate-limited)."""
     yield from _serving(tmp_path_factory.mktemp("server"), model_store, {"model": {"max_model_len": 1100}})
+
+
+def demo_pair_present() -> bool:
+    from serving.demo import draft_path, target_path
+
+    return all((p / "model.safetensors").is_file() for p in (target_path(), draft_path()))
+
+
+@pytest.fixture(scope="session")
+def demo_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """file:// URI of the demo target pushed with its manifest, and a copy of the demo draft with one."""
+    import shutil
+
+    from serving.demo import draft_path, target_path
+    from serving.weights import MANIFEST_NAME, build_manifest, push
+
+    if not demo_pair_present():
+        pytest.skip("demo target/draft weights not present")
+    workdir = tmp_path_factory.mktemp("demo-store")
+    store = f"file://{workdir / 'store' / 'demo' / 'v1'}"
+    push(target_path(), store)
+    draft = workdir / "draft"
+    shutil.copytree(draft_path(), draft)
+    (draft / MANIFEST_NAME).write_text(build_manifest(draft).to_json())  # verified at start-up as a model is
+    return store, draft
+
+
+DEMO_LIMITS = {"model": {"max_model_len": 1100, "kv_cache_bytes": 64 * 2**20}}
+
+
+@pytest.fixture(scope="session")
+def spec_server(tmp_path_factory: pytest.TempPathFactory, demo_store: tuple[str, Path]) -> Iterator[ServerProcess]:
+    """The demo target and draft with speculation on as the AWS and Kubernetes stacks run it: a draft model, k up
+    to 12 chosen by the adaptive policy (what issue 37 was measured with)."""
+    store, draft = demo_store
+    yield from _serving(tmp_path_factory.mktemp("spec"), store, {**DEMO_LIMITS, "speculative": {
+        "enabled": True, "method": "draft", "draft_model": str(draft), "num_draft_tokens": 12, "adaptive": True,
+        "draft_rollout": "off"}})
+
+
+@pytest.fixture(scope="session")
+def demo_server(tmp_path_factory: pytest.TempPathFactory, demo_store: tuple[str, Path]) -> Iterator[ServerProcess]:
+    """The demo target without speculation."""
+    yield from _serving(tmp_path_factory.mktemp("demo"), demo_store[0], DEMO_LIMITS)
 
 
 @pytest.fixture(scope="session")
