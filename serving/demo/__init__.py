@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from serving.config import TOKEN_MAP_NAME
 from serving.demo.prompts import CATEGORIES, Prompt, load_prompts
 
 DEMO_DIR = Path(__file__).resolve().parent
 MODELS_DIR = DEMO_DIR / "models"
-# speculative.draft_token_map of the demo draft: its proposals restricted to the 1,024 most frequent tokens of the
-# target's training text (serving.demo.build_token_map, serving.engine.spec.token_map)
-DEMO_TOKEN_MAP = "token_map.json"
+# the demo draft's token map: its proposals restricted to the 1,024 most frequent tokens of the target's training
+# text (serving.demo.build_token_map, serving.engine.spec.token_map), under the conventional name that
+# `speculative.draft_token_map: auto` (the default) finds
+DEMO_TOKEN_MAP = TOKEN_MAP_NAME
 
 __all__ = ["CATEGORIES", "DEMO_DIR", "DEMO_TOKEN_MAP", "Prompt", "draft_path", "load_prompts", "target_path",
            "tokenizer_path"]

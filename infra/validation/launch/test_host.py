@@ -16,6 +16,7 @@ import yaml
 
 from infra.validation import hostfacts
 from infra.validation.local_server import config_path_of
+from serving.config import TOKEN_MAP_NAME
 
 pytestmark = pytest.mark.launch
 
@@ -88,11 +89,14 @@ def test_model_files_match_the_manifest(host: Any, server_port: int, options: An
 
 
 def test_the_drafts_token_map_came_with_its_verified_weights(host: Any, server_port: int) -> None:
-    """speculative.draft_token_map names a file in the draft's directory: it must be one of the files the draft's
-    manifest lists (pushed and pulled with the weights, checked above), not one copied in beside them."""
+    """speculative.draft_token_map names a file in the draft's directory (auto: its token_map.json, where there is
+    one): it must be one of the files the draft's manifest lists (pushed and pulled with the weights, checked
+    above), not one copied in beside them."""
     _, config = _server_config(host, server_port)
     spec = config.get("speculative") or {}
     name, draft = spec.get("draft_token_map"), spec.get("draft_model")
+    if name == "auto" and draft:  # the engine takes the draft's conventional map where there is one
+        name = TOKEN_MAP_NAME if host.file(f"{draft}/{TOKEN_MAP_NAME}").exists else None
     if not (spec.get("enabled") and draft and name):
         pytest.skip("the server's draft proposes from its whole vocabulary (no speculative.draft_token_map)")
     listed = {entry["path"] for entry in _manifest(host, draft)["files"]}
