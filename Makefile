@@ -5,11 +5,14 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-# Default test run: everything except the long soak, GPU-only tests and the tests of the built image
-# (`make image image-test`, which .ci/run also runs).
-PYTEST_ARGS ?= -m "not soak and not gpu and not image"
+# Two tiers, both run by .ci/run. `make test`, the inner loop (under 8 minutes on 2 cores): every test except
+# those marked slow (end-to-end runs, long engine and chaos runs, benchmark-shaped tests), soak, gpu or image.
+# `make test-slow`: the tests marked slow. The long soak, GPU-only tests and the tests of the built image
+# (`make image image-test`) have their own targets.
+PYTEST_ARGS ?= -m "not slow and not soak and not gpu and not image"
+SLOW_PYTEST_ARGS ?= -m "slow and not soak and not gpu and not image"
 
-.PHONY: demo test lint soak fuzz gpu-test gpu-check clean image image-test
+.PHONY: demo test test-slow lint soak fuzz gpu-test gpu-check clean image image-test
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,6 +24,10 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	# pytest exits 5 when it collects no tests: make treats that as a failure, as it must.
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	# exit 5 (no test selected, e.g. a misspelt marker) fails here too
+	$(BIN)/pytest $(SLOW_PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check infra serving tests
@@ -44,7 +51,7 @@ demo: $(STAMP)
 soak: $(STAMP)
 	SPECDEPLOY_SOAK_REPORT=$(CURDIR)/reports/soak-$$(date -u +%Y%m%dT%H%M%SZ) $(BIN)/pytest -m soak
 
-# The API fuzz alone (also part of `make test`): hypothesis against the served /openapi.json (~20 s).
+# The API fuzz alone (also part of `make test-slow`): hypothesis against the served /openapi.json (~20 s).
 fuzz: $(STAMP)
 	$(BIN)/pytest -s tests/serving/chaos/test_fuzz.py
 

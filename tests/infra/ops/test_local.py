@@ -18,6 +18,9 @@ from infra.ops.cli.main import CommandError
 from infra.ops.local import LocalDeployment, LocalError
 from serving.net import free_port
 
+# The tests on the started deployment are the slow tier (`make test-slow`): starting it takes ~30 s here.
+end_to_end = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -66,6 +69,7 @@ def deployment(checkout: Path, tiny_chat_model: Path, tiny_draft: Path) -> Itera
         deployment.down(timeout_s=30)
 
 
+@end_to_end
 def test_up_serves_the_stack_model_with_the_generated_key(deployment: LocalDeployment) -> None:
     key = deployment.api_key()
     assert key
@@ -77,6 +81,7 @@ def test_up_serves_the_stack_model_with_the_generated_key(deployment: LocalDeplo
     assert httpx.post(f"{deployment.endpoint}/v1/completions", json={"model": "x", "prompt": "a"}).status_code == 401
 
 
+@end_to_end
 def test_up_binds_loopback_and_keeps_state_under_the_state_dir(deployment: LocalDeployment, checkout: Path) -> None:
     state = checkout / ".specdeploy" / "local"
     assert deployment.paths.state_dir == state
@@ -90,6 +95,7 @@ def test_up_binds_loopback_and_keeps_state_under_the_state_dir(deployment: Local
     assert rendered["speculative"]["draft_model"] == str(state / "models" / "draft")
 
 
+@end_to_end
 def test_weights_went_through_the_file_store_with_manifests(deployment: LocalDeployment, checkout: Path) -> None:
     from serving.weights import verify_dir
 
@@ -100,6 +106,7 @@ def test_weights_went_through_the_file_store_with_manifests(deployment: LocalDep
     verify_dir(deployment.paths.models_dir / "draft")
 
 
+@end_to_end
 def test_status_reports_ready_and_up_again_is_a_noop(deployment: LocalDeployment, checkout: Path,
                                                      tiny_chat_model: Path, tiny_draft: Path) -> None:
     stacks = str(checkout / "stacks")
@@ -110,11 +117,13 @@ def test_status_reports_ready_and_up_again_is_a_noop(deployment: LocalDeployment
     assert deployment.status().pid == pid
 
 
+@end_to_end
 def test_log_never_contains_the_key(deployment: LocalDeployment) -> None:
     key = deployment.api_key()
     assert key and key not in deployment.paths.log_file.read_text()
 
 
+@end_to_end
 def test_speculative_counters_are_exported_when_the_stack_enables_speculation(deployment: LocalDeployment) -> None:
     text = httpx.get(f"{deployment.endpoint}/metrics", timeout=10).text
     for name in ("specdeploy_spec_drafts_total", "specdeploy_spec_draft_tokens_total",
@@ -122,6 +131,7 @@ def test_speculative_counters_are_exported_when_the_stack_enables_speculation(de
         assert f"\n{name} " in text, name
 
 
+@end_to_end
 def test_down_drains_and_stops_then_status_says_not_running(deployment: LocalDeployment, checkout: Path) -> None:
     stacks = str(checkout / "stacks")
     pid = deployment.status().pid

@@ -13,6 +13,7 @@ from serving.demo import build_tokenizer, distill_draft, evaluate, target_output
 TINY = ["--tiny", "--steps", "2", "--batch-size", "2", "--seq-len", "32", "--max-files", "4", "--threads", "1"]
 
 
+@pytest.mark.slow  # end to end: trains, distils and evaluates a tiny pair
 def test_tokenizer_target_draft_and_evaluate_rebuild(tmp_path, capsys):
     tok_dir, target_dir, draft_dir = tmp_path / "tok", tmp_path / "target", tmp_path / "draft"
     build_tokenizer.main(["--out", str(tok_dir), "--vocab-size", "300", "--max-files", "4"])

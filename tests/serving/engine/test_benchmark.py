@@ -13,6 +13,7 @@ from serving.engine.step_profile import StepTimer
 from serving.engine.types import SamplingParams
 
 
+@pytest.mark.slow  # benchmark-shaped: runs transformers' baselines too
 def test_engine_benchmark_measures_engine_and_transformers(llama_dir: Path) -> None:
     report = run_engine_benchmark(llama_dir, [1, 2], output_len=4, threads=1, baselines=True, repeats=1)
     systems = {(r.system, r.concurrency) for r in report.results if r.tokens_per_s > 0}

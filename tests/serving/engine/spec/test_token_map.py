@@ -133,7 +133,8 @@ def test_a_tied_head_gets_its_own_rows_and_the_embedding_keeps_its_table(kit: An
         apply_token_map(model, torch.tensor(MAPPED))  # already replaced
 
 
-@pytest.mark.parametrize("rollout", ["off", "on"])
+# through the compiled rollout: a cold compile of its own graph (~60 s here), so the slow tier
+@pytest.mark.parametrize("rollout", ["off", pytest.param("on", marks=pytest.mark.slow)])
 def test_a_mapped_draft_proposes_only_mapped_tokens_and_the_output_is_unchanged(
     kit: Any, llama_dir: Path, mapped_draft: Path, rollout: str
 ) -> None:
