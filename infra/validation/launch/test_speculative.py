@@ -7,12 +7,14 @@ report (infra/validation/abtest.py has the rule and how the arms are alternated)
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import httpx
 import pytest
 
-from infra.validation.loadgen import auth_headers, completion_text, load_workloads
+from infra.validation.greedy import classify, token_steps
+from infra.validation.loadgen import auth_headers, load_workloads
 
 pytestmark = pytest.mark.launch
 
@@ -32,15 +34,24 @@ def test_ab_decision_states_numbers_for_every_cell(ab_result: Any, ab_cell: tupl
 
 def test_greedy_output_is_identical_with_and_without_speculation(ab_arms: tuple[str, str, str],
                                                                  api_key: str | None, prompt_set: str,
-                                                                 model_name: str) -> None:
+                                                                 model_name: str, stack: Any) -> None:
+    """Identical token for token; where the arms part, the spec-off arm's log-probabilities at that token say
+    whether it was a near-tie within the serving precision's rounding (bf16/fp16: verify and decode rows round
+    differently) or speculation changed the output (infra/validation/greedy.py)."""
     workload = load_workloads([prompt_set], 32)[0]
     path, body = workload.body(model_name, stream=False)
-    texts = []
+    body.update({"logprobs": True, "top_logprobs": 5} if "messages" in body else {"logprobs": 5})
+    steps = []
     for url in ab_arms[:2]:
         response = httpx.post(f"{url}{path}", json=body, headers=auth_headers(api_key), timeout=300)
         assert response.status_code == 200, response.text[:300]
-        texts.append(completion_text(response.json()))
-    assert texts[0] == texts[1], "speculation changed greedy output: it must be lossless"
+        steps.append(token_steps(response.json()))
+    on, off = steps
+    divergence = classify(off, on, stack.model.dtype)
+    if divergence is None:
+        return
+    assert divergence.rounding, f"speculation changed greedy output (it must be lossless): {divergence.message}"
+    warnings.warn(f"greedy texts part at a near-tie, within rounding: {divergence.message}", stacklevel=1)
 
 
 def test_deployed_setting_follows_the_ab_decision(ab_result: Any, launch_run: Any, stack: Any, profile: Any) -> None:
