@@ -25,7 +25,7 @@ from serving.api.errors import install_error_handlers
 from serving.api.lifecycle import EngineFactory, build_engine, start_serving
 from serving.api.metrics import ServerMetrics
 from serving.api.middleware import RequestContextMiddleware
-from serving.api.routes import chat, completions, health, metrics, models
+from serving.api.routes import chat, completions, health, metrics, models, responses
 from serving.api.settings import Settings
 from serving.api.state import ServerState
 
@@ -71,6 +71,7 @@ def create_app(settings: Settings, engine_factory: EngineFactory | None = None) 
     app.include_router(models.router, dependencies=authenticated)
     app.include_router(completions.router, dependencies=authenticated)
     app.include_router(chat.router, dependencies=authenticated)
+    app.include_router(responses.router, dependencies=authenticated)
 
     @app.get("/openapi.json", include_in_schema=False, dependencies=authenticated)
     async def openapi(request: Request) -> JSONResponse:

@@ -106,7 +106,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
     if first.get("type") == "json_invalid":
         detail = first.get("ctx", {}).get("error", "parse error")
         return f"request body is not valid JSON: {detail}", None, "invalid_json"
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = _request_path(first.get("loc", ()), exc.body, first.get("type") == "missing")
     param = ".".join(loc) or None
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if first.get("type") in SCHEMA_ERROR_CODES:
@@ -116,6 +116,26 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
     if first.get("type") == "missing":
         return f"missing required parameter: {param}", param, "missing_required_parameter"
     return f"{param}: {message}" if param else message, param, "invalid_value"
+
+
+def _request_path(loc: tuple[Any, ...], body: Any, missing: bool) -> list[str]:
+    """The part of a pydantic error location that names the request's fields: the location also names the
+    members of a union it tried (`literal['none','auto','required']`, a model's class), which are pydantic's, not
+    the client's, so it is walked through the body and keeps what the body has (and a missing field's name)."""
+    parts = [p for p in loc if p != "body"]
+    if not isinstance(body, dict):
+        return [str(p) for p in parts]
+    path: list[str] = []
+    value: Any = body
+    for i, part in enumerate(parts):
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+        elif isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value):
+            value = value[part]
+        elif not (missing and i == len(parts) - 1):
+            continue  # a union member's tag
+        path.append(str(part))
+    return path
 
 
 def install_error_handlers(app: FastAPI) -> None:

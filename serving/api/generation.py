@@ -292,28 +292,33 @@ class Respondable(Protocol[Result]):
 
 
 async def respond(request: Request, run: Respondable[Result], stream: AsyncIterator[dict[str, Any]] | None,
-                  whole: Callable[[Result], dict[str, Any]]) -> Response:
+                  whole: Callable[[Result], dict[str, Any]], typed_events: bool = False) -> Response:
     """SSE when ``stream`` is given (headers only once the first token is there); else wait for the
-    whole output. Either way the generation is aborted if the client leaves."""
+    whole output. Either way the generation is aborted if the client leaves. typed_events: the Responses API's
+    stream (see sse_events)."""
     try:
         if stream is not None:
             await until_disconnect(request.receive, run.prime())
-            return EventStreamResponse(sse_events(stream), on_close=run.close)
+            return EventStreamResponse(sse_events(stream, typed_events), on_close=run.close)
         result = await until_disconnect(request.receive, run.collect())
     except ClientGone:
         return Response(status_code=STATUS_CLIENT_CLOSED)
     return JSONResponse(whole(result))
 
 
-async def sse_events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
-    """Serialize chunks; a failure after the headers went out becomes an error event (no [DONE])."""
+async def sse_events(chunks: AsyncIterator[dict[str, Any]], typed: bool = False) -> AsyncIterator[bytes]:
+    """Serialize chunks; a failure after the headers went out becomes an error event (no [DONE]). typed: each
+    event named by its chunk's `type` and no [DONE] (the Responses API); its error event is also of type
+    "error", with the code and message at the top, as OpenAI sends it."""
     try:
         async for chunk in chunks:
-            yield sse_event(chunk)
+            yield sse_event(chunk, chunk["type"] if typed else None)
     except ApiError as exc:
-        yield sse_event(exc.body())
+        body = exc.body()
+        yield sse_event({"type": "error", **body["error"], **body}, "error") if typed else sse_event(body)
         return
-    yield DONE
+    if not typed:
+        yield DONE
 
 
 def check_finish(output: RequestOutput) -> None:

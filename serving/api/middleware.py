@@ -18,7 +18,8 @@ from serving.api.metrics import ServerMetrics
 
 access_log = logging.getLogger("specdeploy.access")
 
-ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics"})
+ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health", "/ready",
+                       "/metrics"})
 _PROBES = frozenset({"/health", "/ready", "/metrics"})
 STATUS_CLIENT_CLOSED = 499  # nginx's convention for "client went away first"
 

@@ -3,6 +3,7 @@ SDK extras; fields we accept but cannot honour are refused with a 400 naming the
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -43,7 +44,7 @@ def _lone_surrogate(value: Any, path: str) -> tuple[str, str] | None:
     return None
 
 
-class _Body(BaseModel):
+class ApiBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     @model_validator(mode="before")
@@ -57,11 +58,11 @@ class _Body(BaseModel):
         return data
 
 
-class StreamOptions(_Body):
+class StreamOptions(ApiBody):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(_Body):
+class JsonSchemaFormat(ApiBody):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
     name: str = "response"
@@ -70,7 +71,7 @@ class JsonSchemaFormat(_Body):
     strict: bool | None = None
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(ApiBody):
     """Structured outputs: the output is constrained by a grammar (serving/engine/grammar.py)."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -83,54 +84,40 @@ class ResponseFormat(_Body):
         return self
 
 
-class FunctionDef(_Body):
+class FunctionDef(ApiBody):
     name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; None: no parameters
     strict: bool | None = None
 
 
-class ToolDef(_Body):
+class ToolDef(ApiBody):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedFunction(_Body):
+class NamedFunction(ApiBody):
     name: str
 
 
-class NamedToolChoice(_Body):
+class NamedToolChoice(ApiBody):
     type: Literal["function"]
     function: NamedFunction
 
 
-class ToolCallFunction(_Body):
+class ToolCallFunction(ApiBody):
     name: str
     arguments: str  # JSON text, as OpenAI sends it back
 
 
-class ToolCall(_Body):
+class ToolCall(ApiBody):
     id: str
     type: Literal["function"] = "function"
     function: ToolCallFunction
 
 
-class SamplingFields(_Body):
-    model: str = Field(..., min_length=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
-    n: int | None = Field(1, ge=1, le=MAX_CHOICES)
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None  # token id (as a string, JSON keys are) -> bias in [-100, 100]
-    ignore_eos: bool = False  # extension (benchmarks): generate exactly max_tokens
-    response_format: ResponseFormat | None = None
-    user: str | None = None
+class RefusingBody(ApiBody):
+    """A request body with OpenAI fields this server refuses by name."""
 
     # OpenAI fields this server does not honour and whose absence would change the answer: 400 naming the field.
     # (Harmless extras, metadata and hints, are ignored: docs/server.md lists every field.)
@@ -148,6 +135,24 @@ class SamplingFields(_Body):
                 raise PydanticCustomError(UNSUPPORTED_FIELD, "{param} is not supported: {why}",
                                           {"param": name, "why": why})
         return data
+
+
+class SamplingFields(RefusingBody):
+    model: str = Field(..., min_length=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    n: int | None = Field(1, ge=1, le=MAX_CHOICES)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, JSON keys are) -> bias in [-100, 100]
+    ignore_eos: bool = False  # extension (benchmarks): generate exactly max_tokens
+    response_format: ResponseFormat | None = None
+    user: str | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -242,12 +247,12 @@ class CompletionRequest(SamplingFields):
         return [value]  # type: ignore[list-item]
 
 
-class TextPart(_Body):
+class TextPart(ApiBody):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Body):
+class ChatMessage(ApiBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -269,6 +274,16 @@ class ChatMessage(_Body):
         return self.content or ""
 
 
+def check_tool_choice(value: Any, named: str) -> Any:
+    """A tool_choice of a shape this server knows, else an error naming the shapes it takes (not one per member of
+    the union, under pydantic's own names for them)."""
+    if value is None or value in ("none", "auto", "required"):
+        return value
+    if isinstance(value, dict) and value.get("type") == "function":
+        return value
+    raise ValueError(f'must be "none", "auto", "required" or {named}, got {json.dumps(value)[:80]}')
+
+
 class ChatCompletionRequest(SamplingFields):
     refused_fields: ClassVar[dict[str, str]] = {
         "audio": "the served models produce text only",
@@ -277,6 +292,7 @@ class ChatCompletionRequest(SamplingFields):
         "function_call": "the deprecated function calling API: use tool_choice",
         "prediction": "predicted outputs are not implemented",
         "web_search_options": "the server has no web search",
+        "moderation": "the server runs no moderation model; moderate the input and output before and after",
     }
 
     messages: list[ChatMessage] = Field(..., min_length=1)
@@ -287,6 +303,11 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # accepted; a forced choice (required / named) makes one call
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_shape(cls, value: Any) -> Any:
+        return check_tool_choice(value, '{"type": "function", "function": {"name": ...}}')
 
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:

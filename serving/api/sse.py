@@ -19,8 +19,10 @@ from serving.api.disconnect import ClientGone, until_disconnect
 DONE = b"data: [DONE]\n\n"
 
 
-def sse_event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+def sse_event(payload: dict[str, Any], event: str | None = None) -> bytes:
+    """One event; `event` names it (the Responses API's typed events), else it is a plain data line."""
+    data = b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    return b"event: " + event.encode() + b"\n" + data if event else data
 
 
 class EventStreamResponse(Response):

@@ -16,6 +16,7 @@ from serving.api.errors import ApiError
 from serving.api.generation import Collected, check_finish, respond
 from serving.api.routes.logprobs import chat_logprobs
 from serving.api.schemas import ChatCompletionRequest
+from serving.api.state import Engine, ServerState
 from serving.api.tools import (
     ToolCallStream,
     assistant_message,
@@ -35,17 +36,7 @@ router = APIRouter(tags=["chat"])
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, engine: EngineDep,
                                  state: StateDep) -> Response:
-    check_model(state, body.model)
-    messages = chat_messages(body)
-    tools = template_tools(body)
-    pool = state.tokenizers
-    pool.check_length(sum(len(m["content"]) for m in messages) + len(json.dumps(tools or [])), "messages")
-    prompt_ids = await pool.run(lambda: encode_chat(engine.tokenizer, messages, tools))  # off the event loop
-    grammar = await compile_grammar(engine, body)  # response_format or a forced tool_choice: cached, off the loop
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    choices = start_choices(request, state, engine, body, prompt_ids, body.output_limit, logprobs, "chatcmpl",
-                            body.choices)
-    attach_grammar(choices.runs, grammar)
+    choices = await start_chat(body, request, engine, state, "chatcmpl")
     base = {"id": choices.request_id, "object": "chat.completion", "created": int(time.time()),
             "model": body.model}
 
@@ -59,6 +50,25 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
 
     stream = _chunks(choices, base, body, engine.tokenizer) if body.stream else None
     return await respond(request, choices, stream, whole)
+
+
+async def start_chat(body: ChatCompletionRequest, request: Request, engine: Engine, state: ServerState,
+                     id_prefix: str) -> Choices:
+    """A chat request admitted and started: its prompt rendered and tokenized, its grammar compiled (both off the
+    event loop), its choices through the one request path (serving/api/generation.py). The Responses API
+    translates its requests to this one (serving/api/responses.py)."""
+    check_model(state, body.model)
+    messages = chat_messages(body)
+    tools = template_tools(body)
+    pool = state.tokenizers
+    pool.check_length(sum(len(m["content"]) for m in messages) + len(json.dumps(tools or [])), "messages")
+    prompt_ids = await pool.run(lambda: encode_chat(engine.tokenizer, messages, tools))  # off the event loop
+    grammar = await compile_grammar(engine, body)  # response_format or a forced tool_choice: cached, off the loop
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    choices = start_choices(request, state, engine, body, prompt_ids, body.output_limit, logprobs, id_prefix,
+                            body.choices)
+    attach_grammar(choices.runs, grammar)
+    return choices
 
 
 def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
