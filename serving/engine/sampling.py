@@ -104,11 +104,11 @@ def position_noise(keys: list[NoiseKey], vocab_size: int, device: torch.device) 
     """E [N, V]: row i is vocab_size Exp(1) draws, a function of keys[i] alone (one generator reseeded per row;
     on CUDA a CUDA generator, so the draws stay on the device). E = -log(u), u uniform in (0, 1)."""
     generator = torch.Generator(device=device)
-    rows = []
-    for key in keys:
+    noise = torch.empty(len(keys), vocab_size, device=device)
+    for row, key in zip(noise, keys, strict=True):
         generator.manual_seed(position_seed(key))
-        rows.append(torch.rand(vocab_size, generator=generator, device=device))
-    return torch.stack(rows).clamp_(min=_SMALLEST_UNIFORM).log_().neg_()
+        torch.rand(vocab_size, generator=generator, device=device, out=row)
+    return noise.clamp_(min=_SMALLEST_UNIFORM).log_().neg_()
 
 
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
