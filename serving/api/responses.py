@@ -27,6 +27,7 @@ from serving.api.schemas import (
     SEED_MIN,
     ApiBody,
     ChatCompletionRequest,
+    JsonSchemaFormat,
     RefusingBody,
     check_tool_choice,
 )
@@ -82,12 +83,11 @@ class FunctionTool(ApiBody):
     strict: bool | None = None
 
 
-class TextFormat(ApiBody):
+class TextFormat(JsonSchemaFormat):
+    """text.format: chat's json_schema object flattened beside its type, and its schema required."""
+
     type: Literal["text", "json_object", "json_schema"]
-    name: str = "response"
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # type: ignore[assignment]
 
     @model_validator(mode="after")
     def _schema_with_json_schema(self) -> TextFormat:
@@ -292,7 +292,8 @@ def response_object(response_id: str, body: ResponsesRequest, created: float, st
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "tool_choice": body.tool_choice or "auto",
         "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
-        "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
+        "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt and fmt.type == "json_schema"
+                 else {"type": fmt.type if fmt else "text"}},
         "previous_response_id": None, "reasoning": None, "store": False, "truncation": "disabled",
         "metadata": body.metadata or {}, "user": body.user,
         "usage": None if usage is None else {
