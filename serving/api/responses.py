@@ -12,6 +12,7 @@ with a 400 that says so; send the earlier items in `input` instead.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, ClassVar, Literal
@@ -183,7 +184,10 @@ class ResponsesRequest(RefusingBody):
 
 # ---- request → chat -------------------------------------------------------------------------------------------
 
-_CHAT_PARAMS = {"messages": "input", "response_format": "text.format", "max_completion_tokens": "max_output_tokens"}
+# chat's names for the fields a response request sets (its errors say them the Responses API's way)
+_CHAT_PARAMS = {"messages": "input", "prompt": "input", "response_format": "text.format",
+                "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens"}
+_CHAT_NAME = re.compile(r"\b(" + "|".join(_CHAT_PARAMS) + r")\b")
 
 
 def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
@@ -213,13 +217,19 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
     except ValidationError as exc:  # a rule of chat's (e.g. a forced tool_choice with a format): named as sent
         first = exc.errors()[0]
         field = str(first["loc"][0]) if first["loc"] else ""
-        param = _CHAT_PARAMS.get(field, field) or None
         message = str(first["msg"]).removeprefix("Value error, ")
-        for chat_name, name in _CHAT_PARAMS.items():
-            if chat_name in message:
-                message, param = message.replace(chat_name, name), param or name
-        text = f"{param}: {message}" if param and not message.startswith(param) else message
-        raise ApiError(400, text, param=param, code="invalid_value") from exc
+        named = _CHAT_NAME.search(message)
+        param = field or (named.group(1) if named else None)
+        raise as_sent(ApiError(400, f"{param}: {message}" if field else message, param=param,
+                               code="invalid_value")) from exc
+
+
+def as_sent(exc: ApiError) -> ApiError:
+    """An error of chat's request path with the fields named as a response request calls them."""
+    if exc.param not in _CHAT_PARAMS and not _CHAT_NAME.search(exc.message):
+        return exc
+    return ApiError(exc.status, _CHAT_NAME.sub(lambda m: _CHAT_PARAMS[m.group(1)], exc.message), code=exc.code,
+                    param=_CHAT_PARAMS.get(exc.param or "", exc.param), retry_after=exc.retry_after)
 
 
 def chat_messages(body: ResponsesRequest) -> list[dict[str, Any]]:

@@ -13,9 +13,11 @@ from starlette.responses import Response
 
 from serving.api.choices import Choices
 from serving.api.deps import EngineDep, StateDep
+from serving.api.errors import ApiError
 from serving.api.generation import Collected, check_finish, respond
 from serving.api.responses import (
     ResponsesRequest,
+    as_sent,
     final_status,
     function_call_item,
     message_item,
@@ -36,7 +38,10 @@ router = APIRouter(tags=["responses"])
 @router.post("/v1/responses", response_model=None)
 async def create_response(body: ResponsesRequest, request: Request, engine: EngineDep, state: StateDep) -> Response:
     chat = to_chat(body)
-    choices = await start_chat(chat, request, engine, state, "resp")
+    try:
+        choices = await start_chat(chat, request, engine, state, "resp")
+    except ApiError as exc:  # its limits and checks, in the words of this API
+        raise as_sent(exc) from exc
     created = time.time()
 
     def whole(results: list[Collected]) -> dict[str, Any]:

@@ -130,6 +130,11 @@ REFUSED = [
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format", "needs a schema"),
     ({"tools": [WEATHER], "tool_choice": "required", "text": {"format": {"type": "json_object"}}}, "text.format",
      "cannot be combined"),
+    # chat's limits and checks, named as this API names the fields
+    ({"max_output_tokens": 5000}, "max_output_tokens", "max_output_tokens is 5000; the maximum output length is"),
+    ({"input": "word " * 600}, "input", "input has"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "frobnicate"}}}}, "text.format",
+     "text.format: unsupported or invalid JSON schema"),
 ]
 
 

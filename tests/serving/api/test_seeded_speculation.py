@@ -64,3 +64,16 @@ def test_n_choices_seeded_s_are_the_requests_seeded_s_to_s_plus_n_minus_1(spec_s
                 for choice in json.loads(line[6:])["choices"]:
                     texts[choice["index"]] += choice["delta"].get("content") or ""
     assert texts == singles
+
+
+def test_a_seeded_response_is_the_seeded_chat_completion_and_speculates(spec_server: Any) -> None:
+    """The Responses API takes chat's request path, speculation included."""
+    body = {key: value for key, value in SEEDED.items() if key not in ("messages", "ignore_eos", "max_tokens")}
+    expected = chat(spec_server, {**body, "messages": MESSAGES, "max_tokens": 48})[0]
+    drafts_before = spec_server.metric("specdeploy_spec_draft_tokens_total")
+    with spec_server.client() as client:
+        response = client.post("/v1/responses", json={**body, "input": MESSAGES[0]["content"],
+                                                      "max_output_tokens": 48})
+    assert response.status_code == 200, response.text
+    assert response.json()["output"][0]["content"][0]["text"] == expected
+    assert spec_server.metric("specdeploy_spec_draft_tokens_total") > drafts_before
