@@ -5,7 +5,7 @@
 
 A greedy verifier accepts a drafted token when it is the target's argmax *on the target's own text*. Held-out
 agreement is measured on human-written code, and drafts distilled longer on that corpus agreed more there
-but were accepted less on the target's continuations (docs/engine.md). This writes what the target generates:
+but were accepted less on the target's continuations (docs/benchmarks/log.md). This writes what the target generates:
 each row is a prompt of `--prompt-len` tokens from a seeded random offset of the training split, followed by
 the target's `--new-tokens` greedy tokens (eos ignored, as `bench spec` does). `distill_draft
 --target-outputs FILE` mixes these rows into its batches.
