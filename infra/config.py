@@ -415,6 +415,9 @@ class StackConfig(StrictModel):
             raise ValueError("draft.quantization: only the target's weights are quantized; leave it none")
         if self.draft is not None and self.draft.tensor_parallel_size != 1:
             raise ValueError("draft.tensor_parallel_size: the draft model is not sharded; leave it 1")
+        if self.draft is not None and self.draft.num_threads != "auto":
+            raise ValueError("draft.num_threads: threads are the server process's, shared by target and draft; "
+                             "set model.num_threads")
         k8s = self.kubernetes
         tp = self.model.tensor_parallel_size
         if self.platform == "kubernetes" and k8s is not None and tp > 1 and k8s.gpus_per_pod < tp:

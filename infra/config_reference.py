@@ -8,8 +8,9 @@ fails when either file is stale (`specdeploy config reference` rewrites them).
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
-from typing import Any, get_args, get_origin
+from typing import Annotated, Any, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel
@@ -51,10 +52,14 @@ def _type_name(annotation: Any) -> str:
         return annotation.__name__
     if str(get_origin(annotation)) == "typing.Literal":
         return "one of " + ", ".join(str(a) for a in get_args(annotation))
+    if get_origin(annotation) is Annotated:  # a bounded type: its base
+        return _type_name(get_args(annotation)[0])
     args = get_args(annotation)
     if args and type(None) in args:
         inner = [a for a in args if a is not type(None)]
         return " or ".join(_type_name(a) for a in inner) + " (optional)"
+    if get_origin(annotation) in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in args)
     text = str(annotation).replace("typing.", "").replace("infra.config.", "").replace("serving.config.", "")
     return text.replace("|", "or")
 

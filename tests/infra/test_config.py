@@ -246,3 +246,14 @@ def test_stack_sections_share_the_server_defaults() -> None:
     assert service.max_memory_utilization == model.max_memory_utilization
     assert SpeculativeSection(**SpeculativeSpec().model_dump()) == SpeculativeSection()
     assert StackConfig.model_fields["scheduler"].annotation is SchedulerSection
+
+
+def test_the_stacks_thread_count_reaches_the_server_config(tmp_path: Path) -> None:
+    assert render_server_config(load_stack("dev").config).model.num_threads == "auto"  # the default: decided there
+    stacks_dir = _write_stack(tmp_path, lambda c: c["specdeploy:model"].update({"num_threads": 6}))
+    assert render_server_config(load_stack("broken", stacks_dir).config).model.num_threads == 6
+
+
+def test_a_draft_thread_count_is_refused_by_name(tmp_path: Path) -> None:
+    message = _error_for(tmp_path, lambda c: c["specdeploy:draft"].update({"num_threads": 2}))
+    assert "draft.num_threads" in message and "set model.num_threads" in message
