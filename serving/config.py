@@ -102,7 +102,7 @@ Quantization = Literal["none", "int8", "fp8"]
 TensorParallelSize = Literal[1, 2, 4, 8]
 # auto: compiled and CUDA-graph-captured small steps on CUDA, eager on CPU (where compiling barely pays, measured)
 CompileMode = Literal["auto", "on", "off"]
-# auto: on CPU, each model's matmul weights packed for oneDNN where a one-token step measures no slower
+# auto: on CPU, each model's matmul weights packed for oneDNN unless 1- and 16-token steps measure it worse
 WeightPacking = Literal["auto", "on", "off"]
 # auto: on CPU, a draft model's greedy steps run as one compiled graph where that measures faster at start-up
 DraftRolloutMode = Literal["auto", "on", "off"]
@@ -151,7 +151,8 @@ class ModelSection(StrictModel):
     cpu_weight_packing: WeightPacking = Field(
         "auto", description="CPU: matmul weights reordered once at load into oneDNN's blocked layout, which makes "
         "multi-row steps (verify, batched decode) cheaper but can make a one-token step dearer on some CPUs. auto: "
-        "per model (target, draft), kept where a one-token step measured at start-up is not slower; on: always; "
+        "per model (target, draft), kept unless its one- and 16-token steps measured at start-up come out worse "
+        "than dense's; on: always; "
         "off: plain nn.Linear. CPU, fp32/bf16, unquantized, without tensor parallelism or model.compile on. "
         "Measured: " + MEASURED_IN + "#model-cpu-weight-packing.",
     )

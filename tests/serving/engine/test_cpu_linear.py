@@ -59,22 +59,30 @@ def test_packed_and_plain_engines_agree_with_speculation_and_prefix_caching(
     assert outputs["on"] == outputs["off"] == plain
 
 
-@pytest.mark.parametrize("packed_ms, kept", [(1.0, True), (1.02, True), (1.2, False)])
-def test_auto_keeps_packing_only_where_a_one_token_step_is_not_slower(
-    kit: Any, llama_dir: Path, monkeypatch: pytest.MonkeyPatch, packed_ms: float, kept: bool
+@pytest.mark.parametrize("packed_ms, packed_wide_ms, kept", [
+    (1.0, 4.0, True), (1.02, 4.0, True), (1.2, 4.0, False),  # no faster at 16 tokens: the one-token step decides
+    (1.1, 2.0, True),  # 10 % dearer at one token, 2x cheaper at 16: packed
+    (1.0, 4.4, False),  # as fast at one token, 10 % dearer at 16: dense
+])
+def test_auto_packs_unless_its_worse_shape_is_further_from_the_best(
+    kit: Any, llama_dir: Path, monkeypatch: pytest.MonkeyPatch, packed_ms: float, packed_wide_ms: float, kept: bool
 ) -> None:
-    """`auto` times dense and packed one-token steps (here: a stand-in clock) and leaves the model as chosen."""
+    """`auto` times dense and packed one- and 16-token steps (here: a stand-in clock, dense 1 and 4 ms) and leaves
+    the model as chosen."""
     model = kit.PagedRunner(llama_dir).model
 
     def fake_seconds(m: nn.Module, context: int, new_tokens: int, repeats: int = 20) -> float:
-        assert new_tokens == 1 and context < m.max_model_len
+        assert new_tokens in (1, cpu_linear.WIDE_STEP) and context + new_tokens < m.max_model_len
         is_packed = isinstance(m.layers[0].attention.wqkv, PackedLinear)
-        return (packed_ms if is_packed else 1.0) * 1e-3
+        if new_tokens == 1:
+            return (packed_ms if is_packed else 1.0) * 1e-3
+        return (packed_wide_ms if is_packed else 4.0) * 1e-3
 
     monkeypatch.setattr(cpu_linear, "forward_seconds", fake_seconds)
     decision = choose(model, "target", "auto", None)
     assert decision.packed is kept
     assert decision.dense_step_ms == pytest.approx(1.0) and decision.packed_step_ms == pytest.approx(packed_ms)
+    assert decision.dense_wide_ms == pytest.approx(4.0) and decision.packed_wide_ms == pytest.approx(packed_wide_ms)
     kinds = {type(m) for name, m in model.named_modules() if name.endswith(("wqkv", "wo", "w13", "w2", "output"))}
     assert kinds == ({PackedLinear} if kept else {nn.Linear})
 
