@@ -6,16 +6,20 @@ everything the process does between steps (the API thread emitting several token
 a choice that the model prices at +5 % can run at -10 %. The guard checks the choice against the clock.
 
 It times engine *cycles*: from one proposal to the next, which holds the drafting for a step, the step that
-verifies it, and whatever runs between steps. A cycle drafted (some sequence got k > 0) or it did not; cycles
-whose step also carried prefill tokens or preempted a request are left out, and the rest are kept apart by how
-many sequences decode (half-octave buckets: 1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64 ...). Per bucket the guard
-keeps the tokens per second of drafting and of plain cycles (decayed sums of tokens and seconds). Then:
+verifies it, and whatever runs between steps. A cycle drafted (some sequence got k > 0) or it did not. Cycles are
+kept apart by how many requests run (half-octave buckets: 1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64 ...), and per
+bucket the guard keeps the tokens per second of drafting and of plain cycles (decayed sums of tokens and
+seconds over about the last fifty of each kind: several requests' worth at low load, so that one prompt the
+draft guesses badly does not decide). A cycle whose step also carried prefill tokens or preempted a request has
+no rate to compare; where it drafted, what its proposal took (the draft's catch-up on new prompts above all) is
+added to the bucket's drafting seconds all the same. Then:
 
 - a bucket with too few plain cycles gets one now and then (every 4th cycle until there are MIN_SAMPLES, then
   one every REFRESH_NEAR cycles so that the figure follows the load): the policy is not consulted for that
   cycle and nothing drafts, so that it costs what a spec-off engine's step does;
-- where drafting cycles measure slower than plain ones (below MARGIN of them), the bucket is vetoed: every k is
-  0, except for PROBE_CYCLES drafting cycles every PROBE_EVERY, so that a veto lifts when speculation pays again.
+- where drafting cycles measure below VETO_BELOW of plain ones, the bucket is vetoed: every k is 0. Every
+  PROBE_EVERY cycles a probe of PROBE_CYCLES lets the policy draft again, on fresh evidence (the bucket's
+  drafting figure starts anew), and the veto lifts only if the probe measures at least LIFT_AT of plain.
 
 Plain cycles are refreshed rarely where drafting clearly wins (FAR_AHEAD): there each forced plain cycle costs
 what speculation would have gained.
@@ -23,20 +27,23 @@ what speculation would have gained.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
+log = logging.getLogger(__name__)
+
 MIN_SAMPLES = 6  # cycles of each kind before the bucket's rates are compared
-MARGIN = 0.99  # drafting must measure at least this fraction of plain cycles' tokens/s
-DECAY = 0.9  # per observed cycle of the kind: about the last ten count
+VETO_BELOW, LIFT_AT = 0.98, 1.02  # drafting ÷ plain tokens/s that turns a bucket off, and that turns it back on
+DECAY = 0.98  # per observed cycle of the kind: about the last fifty count
 FAR_AHEAD = 1.25  # drafting this much faster: plain cycles refreshed every REFRESH_FAR cycles...
 REFRESH_NEAR, REFRESH_FAR = 48, 400  # ...else every REFRESH_NEAR
-PROBE_EVERY, PROBE_CYCLES = 96, 4  # while vetoed: this many drafting cycles every PROBE_EVERY
+PROBE_EVERY, PROBE_CYCLES = 128, 16  # while vetoed: a probe of this many drafting cycles every PROBE_EVERY
 
 
-def bucket(num_decoding: int) -> int:
-    """Half-octave bucket of the number of decoding sequences."""
-    return int(round(2 * math.log2(max(num_decoding, 1))))
+def bucket(num_running: int) -> int:
+    """Half-octave bucket of the number of running requests."""
+    return int(round(2 * math.log2(max(num_running, 1))))
 
 
 @dataclass
@@ -79,29 +86,42 @@ class SpeculationGuard:
     forced_plain_total: int = 0  # cycles set to k = 0 to measure plain decoding
     vetoed_cycles_total: int = 0  # cycles set to k = 0 by a veto
 
-    def observe(self, num_decoding: int, drafted: bool, tokens: int, seconds: float) -> None:
-        """One clean cycle (no prefill, no preemption) with num_decoding sequences: tokens emitted in `seconds`."""
-        b = self.buckets.setdefault(bucket(num_decoding), Bucket())
+    def observe(self, num_running: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """One clean cycle (no prefill, no preemption) with num_running requests: tokens emitted in `seconds`."""
+        b = self.buckets.setdefault(bucket(num_running), Bucket())
         (b.drafting if drafted else b.plain).observe(tokens, seconds)
         ratio = b.ratio()
         if ratio is None:
             return
-        if ratio < MARGIN and not b.vetoed:
+        if not b.vetoed and ratio < VETO_BELOW:
             b.vetoed = True
             self.vetoes_total += 1
-        elif ratio >= MARGIN and b.vetoed and b.probing == 0:
-            b.vetoed = False
+            log.info("speculation off at ~%d running requests: drafting cycles %.0f tokens/s, plain %.0f",
+                     num_running, b.drafting.per_second, b.plain.per_second)
+        elif b.vetoed and drafted and b.drafting.samples >= MIN_SAMPLES and ratio >= LIFT_AT:  # a probe's
+            b.vetoed, b.probing = False, 0
+            log.info("speculation back on at ~%d running requests: drafting cycles %.0f tokens/s, plain %.0f",
+                     num_running, b.drafting.per_second, b.plain.per_second)
 
-    def allows_drafting(self, num_decoding: int) -> bool:
-        """Whether the next cycle with num_decoding sequences may draft (the policy then chooses k), or must run
+    def charge(self, num_running: int, seconds: float) -> None:
+        """What a drafting cycle's proposal took (the policy, the draft's catch-ups and forwards) where its step
+        also prefilled, so that it has no rate to compare: charged to the bucket's drafting time. A wave of new
+        requests runs mostly in such steps, and the draft's catch-up on each new prompt, which only drafting
+        pays, would otherwise never be seen (at 64 sequences of 300-token prompts: ~19,000 draft tokens a wave)."""
+        b = self.buckets.setdefault(bucket(num_running), Bucket())
+        b.drafting.seconds += seconds
+
+    def allows_drafting(self, num_running: int) -> bool:
+        """Whether the next cycle with num_running requests may draft (the policy then chooses k), or must run
         plain: every k = 0, and the policy not even consulted, so that a plain cycle costs what spec-off does."""
-        b = self.buckets.setdefault(bucket(num_decoding), Bucket())
+        b = self.buckets.setdefault(bucket(num_running), Bucket())
         b.cycles += 1
         b.plain.age += 1
         b.drafting.age += 1
         if b.vetoed:
             if b.probing == 0 and b.drafting.age >= PROBE_EVERY:
                 b.probing = PROBE_CYCLES
+                b.drafting = Rate()  # the probe decides on its own evidence
             if b.probing > 0:
                 b.probing -= 1
                 return True

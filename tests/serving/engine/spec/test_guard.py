@@ -65,6 +65,21 @@ def test_a_veto_lifts_when_probes_measure_faster_and_buckets_are_independent() -
     assert not guard.buckets[bucket(64)].vetoed
 
 
+def test_catch_ups_in_prefill_steps_are_charged_to_drafting() -> None:
+    """Clean drafting cycles 5 % ahead of plain ones, but every fourth drafting cycle also prefilled and spent
+    40 % of a cycle catching the draft up: drafting costs more than it gains, and the bucket is vetoed. Without
+    the charge, the clean cycles alone keep it on."""
+    for charged, vetoed in ((True, True), (False, False)):
+        guard = SpeculationGuard()
+        for i in range(16 * g.MIN_SAMPLES):
+            drafts = guard.allows_drafting(64)
+            tokens = 64
+            guard.observe(64, drafts, tokens, tokens / (2100 if drafts else 2000))
+            if drafts and charged and i % 4 == 1:
+                guard.charge(64, 0.4 * tokens / 2000)
+        assert guard.buckets[bucket(64)].vetoed is vetoed
+
+
 def test_an_engine_stops_drafting_where_drafting_is_slower(kit: Any, llama_dir: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A proposer whose every proposal costs 20 ms (a tiny model's step is ~1 ms): the policy, which prices drafts
