@@ -53,8 +53,8 @@ class Speculator:
         self.guard = SpeculationGuard() if config.adaptive else None
         self._cycle: tuple[float, int, bool] | None = None  # the cycle under way: (start, running, drafted)
         self._cycle_tokens: int | None = None  # tokens its step emitted; None where it also prefilled or preempted
-        # called with SpeculationPolicy.describe() of every choice when set (bench spec --trace-policy)
         self._cycle_drafting_s = 0.0  # what its proposal took (the policy, catch-ups, draft forwards)
+        # called with SpeculationPolicy.describe() of every choice when set (bench spec --trace-policy)
         self.trace: Callable[[dict[str, object]], None] | None = None
 
     # ---- proposing ----------------------------------------------------------------------------------
