@@ -14,14 +14,14 @@ writing it (`CapturedDecode`: context from the cache plus the new token beside i
 which the step stores right after the replay. One replay then runs the step's every kernel, instead of the
 per-layer attention calls between graph pieces. On CUDA we capture these graphs ourselves (`DecodeGraph`: static
 input buffers, `torch.cuda.CUDAGraph`), so a step costs the host a few copies and one replay, not a call through
-dynamo's guards and inductor's cudagraph trees (measured on an H200 in docs/engine.md). Inductor cannot lower
+dynamo's guards and inductor's cudagraph trees (measured on an H200 in docs/benchmarks/log.md). Inductor cannot lower
 the log-sum-exp this needs on CPU (torch 2.13), so on CPU the whole-decode path runs only under test backends
 ("eager", "aot_eager").
 
 Whether compiling pays is measured per bucket at warm-up (eager and compiled step time, side by side) and a
 bucket keeps its compiled graph only if it is faster: on a small CPU model the launch overhead saved can be
 smaller than the guard and wrapper overhead added. On CUDA the compiled graph is captured per bucket with
-inductor's CUDA graphs (`mode="reduce-overhead"`); measured on an H200 in docs/engine.md.
+inductor's CUDA graphs (`mode="reduce-overhead"`); measured on an H200 in docs/benchmarks/log.md.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ head at a time (AVX2, head dim a multiple of 32). Measured through the model's o
 (4 KV heads x 2, head dim 32, 16-token blocks, a KV cache larger than the CPU's caches, one thread, before the
 one-pass walk, which took another 4-16 % off), the kernel's time as a share of gather + SDPA's:
 0.30-0.47 for decode groups of 1-64 sequences, 0.50-0.74 at 3-9 query tokens of one sequence, 0.85-0.87 at
-13-16, and 0.54-0.92 at 3-16 tokens of 16 sequences (docs/engine.md). Prefill chunks keep gather + SDPA.
+13-16, and 0.54-0.92 at 3-16 tokens of 16 sequences (docs/benchmarks/log.md). Prefill chunks keep gather + SDPA.
 
 Built at start-up with the host's C++ compiler (`-O3 -march=native`, half a second) into a cache directory,
 keyed by the source, the flags, the compiler and the CPU, and loaded with ctypes: a plain C ABI, no torch

@@ -28,7 +28,7 @@ parallelism, and not under `model.compile: on` (inductor cannot lower `_linear_p
 weight). The product differs from `nn.Linear`'s only in fp32 summation order (a few 1e-6 relative). Spec-off,
 draft and verify steps of an engine all run the same packed weights, so drafts are checked against the logits
 the engine would sample from anyway; greedy outputs with spec off, draft and n-gram were identical in every
-bench run (docs/engine.md).
+bench run (docs/benchmarks/log.md).
 """
 
 from __future__ import annotations

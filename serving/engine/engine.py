@@ -85,7 +85,7 @@ class LLMEngine:
         self.compiled: CompiledForward | None = None  # set by compile_steps(); None: every step runs eagerly
         # CUDA: attention reads the paged cache in place (FlexAttention; its Triton tiles need cache blocks of
         # >= 16 tokens). CPU keeps gather + SDPA, measured 1.4-2.3x faster than FlexAttention on CPU for our
-        # group shapes (docs/engine.md), and its decode and verify groups may read the cache in place
+        # group shapes (docs/benchmarks/log.md), and its decode and verify groups may read the cache in place
         # through a C++ kernel instead (choose_attention, model.cpu_decode_attention)
         model.set_paged_attention(self.device.type == "cuda" and self.block_size >= 16)
         if speculator is not None and isinstance(speculator.proposer, DraftModelProposer):  # the draft alike

@@ -1,4 +1,4 @@
-"""Side-by-side timings behind the engine's fast-path choices (docs/engine.md), printed as ratios:
+"""Side-by-side timings behind the engine's fast-path choices (docs/benchmarks/log.md), printed as ratios:
 
 - attention of one group: gather + SDPA (the CPU path) vs FlexAttention straight from the paged cache
   (the CUDA path), with the largest absolute difference of their outputs;

@@ -7,9 +7,13 @@
                              mask_verify_rows: the verify row at draft position j masked with the matcher
                              advanced through drafts 0..j-1, then rolled back
 
-Drafts and losslessness. Drafts are cut *before* the first token the grammar rejects. Verification emits the
-target's own token at every position (spec/rejection.py: the draft decides how many tokens are emitted, never
-which), and the masked target never picks a token the grammar rejects, so such a draft could only be rejected.
+Drafts and losslessness. Drafts are cut *before* the first token the grammar rejects where verification is
+coupled (spec/rejection.py: seeded and greedy requests, n-gram drafts): it emits the masked target's own token at
+every position, never one the grammar rejects, so such a draft could only be rejected. A model's drafts verified
+by rejection sampling (unseeded sampled requests) keep that first rejected token as their last one: the masked
+target gives it probability 0, so it is rejected and the residual max(0, p - q) sampled, the ordinary lossless
+rule; cutting before it would sample p there instead of the residual and bias the output toward what the draft
+rarely proposes. Either way nothing is kept after a draft that ends the grammar.
 
 The matcher only ever holds the tokens the request really emitted: drafts walked through it are rolled back
 at once, and `Request.append_output_tokens` accepts what verification emitted. A terminated matcher (its stop
@@ -164,15 +168,19 @@ class RequestGrammar:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
-    def admissible_drafts(self, drafts: list[int]) -> list[int]:
-        """The drafts cut before the first one the grammar rejects, and after one that ends it."""
-        accepted = 0
+    def admissible_drafts(self, drafts: list[int], *, sampled: bool = False) -> list[int]:
+        """The drafts cut at the first one the grammar rejects (kept as the last one when `sampled`), and after one
+        that ends it."""
+        accepted, ended = 0, False
         for token in drafts:
+            if self.is_terminated:
+                ended = True
+                break
             if not self.accept(token):
                 break
             accepted += 1
         self.rollback(accepted)
-        return drafts[:accepted]
+        return drafts[: accepted + 1] if sampled and not ended and accepted < len(drafts) else drafts[:accepted]
 
 
 def _mask_rows(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:

@@ -23,7 +23,7 @@ from serving.engine.rope import apply_rope, build_rope_cache, compute_inv_freq
 
 # CPU: groups whose queries are at most this long (decode, and verify steps of up to 15 drafts) attend through the
 # kernel that reads the paged cache in place (serving.engine.cpu_attention). Longer ones (prefill chunks) gather
-# for SDPA. Measured on the demo target (docs/engine.md), the kernel took 0.30-0.42 of gather + SDPA's time for
+# for SDPA. Measured on the demo target (docs/benchmarks/log.md), the kernel took 0.30-0.42 of gather + SDPA's time for
 # decode, 0.50-0.73 at 3-9 query tokens of one sequence, 0.76-0.92 at 9-16 tokens of 16 sequences
 KERNEL_MAX_QUERY = 16
 

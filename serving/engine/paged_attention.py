@@ -9,7 +9,7 @@ are read, once, by the kernel.
 
 FlexAttention is a compiled kernel (Triton on CUDA, C++ on CPU); its first call per shape compiles. Which
 path an engine uses is chosen in `Attention.attend_group`: the gather path stays the default on CPU, where
-it measured faster for our step sizes (docs/engine.md).
+it measured faster for our step sizes (docs/benchmarks/log.md).
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from serving.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from serving.engine.types import FinishReason, RequestOutput, SamplingParams, TokenLogprobs
 
@@ -47,6 +49,7 @@ class Request:
         self.stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         # every random draw of output position t is a function of (seed, t): sampling.position_noise
         self.seed = params.seed if params.seed is not None else default_seed
+        self._generator: torch.Generator | None = None
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop)
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
@@ -79,6 +82,19 @@ class Request:
     def noise_key(self, offset: int = 0) -> tuple[int, int]:
         """(seed, output position) of the token `offset` places after the last generated one."""
         return self.seed, self.num_output_tokens + offset
+
+    @property
+    def verifies_by_rejection(self) -> bool:
+        """An unseeded sampled request: nothing to reproduce, so its model drafts are verified by rejection
+        sampling, which accepts more of them than the coupled rule (spec/rejection.py)."""
+        return self.params.seed is None and not self.params.greedy
+
+    @property
+    def generator(self) -> torch.Generator:
+        """The rejection sampler's draws (unseeded requests only), from the request's default seed."""
+        if self._generator is None:
+            self._generator = torch.Generator().manual_seed(self.seed)
+        return self._generator
 
     @property
     def num_tokens(self) -> int:

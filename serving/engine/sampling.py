@@ -5,7 +5,8 @@ Exp(1) draw per token, which picks token x with probability exactly p(x). The dr
 request are a pure function of (its seed, t): `position_noise` seeds a generator with both and draws
 the vocabulary's E from it, nothing else. So a seeded request's text does not depend on what shares its
 batch, on how many tokens a step emits, or on whether speculation ran: the speculator's drafts and its
-verification use the same noise (serving/engine/spec/rejection.py).
+verification use the same noise (serving/engine/spec/rejection.py; an unseeded request's model drafts are
+verified by rejection sampling instead, which accepts more of them).
 """
 
 from __future__ import annotations
@@ -109,6 +110,14 @@ def position_noise(keys: list[NoiseKey], vocab_size: int, device: torch.device) 
         generator.manual_seed(position_seed(key))
         torch.rand(vocab_size, generator=generator, device=device, out=row)
     return noise.clamp_(min=_SMALLEST_UNIFORM).log_().neg_()
+
+
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: one token per row of probs [N, V] from uniforms [N] in (0, 1] (the rejection sampler's
+    last draw, spec/rejection.py)."""
+    cdf = probs.cumsum(dim=-1)
+    targets = (uniforms * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, targets).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ from serving.engine.loader import load_model, read_model_args
 from serving.engine.logits import adjust_logits
 from serving.engine.model import ModelArgs, Transformer
 from serving.engine.request import Request
-from serving.engine.sampling import SamplingRows, greedy_tokens, sample
+from serving.engine.sampling import SamplingRows, greedy_tokens, logits_to_probs, position_noise, race
 from serving.engine.spec.proposer import Proposals
 from serving.engine.spec.rollout import MAX_LAG, DraftRollout, RolloutDecision, prepare
 from serving.engine.spec.token_map import apply_token_map, read_token_map, resolve, token_map_path
@@ -175,6 +175,7 @@ class DraftModelProposer:
     def _step_by_step(self, active: list[Request], ks: dict[str, int], drafts: Proposals) -> None:
         """One forward per draft position: the catch-up (drafting the first token), then k - 1 single tokens."""
         walked: dict[str, int] = {}  # grammar requests: drafts their matcher accepted (rolled back at the end)
+        probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in active}  # q rows, for rejection sampling
 
         # first forward: catch up on the tokens the draft has not seen, draft one token from the last
         seqs = []
@@ -184,7 +185,7 @@ class DraftModelProposer:
             seqs.append(SequenceInput(tokens, start, self.blocks.block_table(req.request_id), [len(tokens) - 1]))
             self.computed[req.request_id] = req.num_tokens
             self.catch_up_tokens_total += len(tokens)
-        self._draft_step(active, seqs, drafts, walked)
+        self._draft_step(active, seqs, drafts, probs, walked)
         for req in active:  # blocks now full of the sequence's own tokens become reusable by content
             self.blocks.commit(req.request_id, req.all_token_ids, req.num_tokens)
 
@@ -194,12 +195,13 @@ class DraftModelProposer:
                                   self.blocks.block_table(r.request_id), [0]) for r in step]
             for r in step:
                 self.computed[r.request_id] = r.num_tokens + j
-            self._draft_step(step, seqs, drafts, walked)
+            self._draft_step(step, seqs, drafts, probs, walked)
 
         for req in active:
             if req.grammar is not None:
                 n = walked.get(req.request_id, 0)
                 req.grammar.rollback(n if n >= 0 else -n - 1)
+        drafts.probs.update({req_id: torch.stack(rows) for req_id, rows in probs.items() if rows})
 
     def fixed_draft_seconds(self, req: Request) -> float | None:
         """What drafting for this sequence alone costs through the rollout, any k (None: it would not be rolled
@@ -261,17 +263,17 @@ class DraftModelProposer:
         return True
 
     def _draft_step(self, reqs: list[Request], seqs: list[SequenceInput], drafts: Proposals,
-                    walked: dict[str, int]) -> None:
+                    probs: dict[str, list[torch.Tensor]], walked: dict[str, int]) -> None:
         started = time.perf_counter()
         batch = self.builder.build(seqs)
         logits = self.model.compute_logits(self.forward(batch), batch.logits_index)  # [n, V]
         grammars = [r.grammar if walked.get(r.request_id, 0) >= 0 else None for r in reqs]
         if any(g is not None for g in grammars):
-            # the draft follows the grammar too, or most of what it proposes would be cut
-            # (grammar.admissible_drafts; lossless either way: the emitted tokens are the target's, rejection.py)
+            # the draft follows the grammar too (its q is the masked distribution, so verification stays lossless),
+            # or most of what it proposes would be cut (grammar.admissible_drafts)
             logits = apply_grammar_masks(logits, grammars)
-        # penalties and logit bias as the target's verify rows get them (lossless either way), so a draft close
-        # to the target stays close under them and is accepted
+        # penalties and logit bias as the target's verify rows get them (lossless either way: q is what the
+        # drafts are sampled from), so a draft close to the target stays close under them and is accepted
         if any(r.params.adjusts_logits for r in reqs):
             logits = adjust_logits(logits, [r.params for r in reqs],
                                    [r.output_token_ids + drafts.tokens.get(r.request_id, []) for r in reqs])
@@ -279,8 +281,12 @@ class DraftModelProposer:
             tokens = greedy_tokens(logits).tolist()
         else:  # the draft races on the noise the target will race on at this output position (rejection.py)
             rows = SamplingRows.from_params([r.params for r in reqs], self.model.args.vocab_size, self.device)
+            q = logits_to_probs(logits, rows)  # greedy rows: one-hot, so the race picks their argmax
             keys = [r.noise_key(len(drafts.tokens.get(r.request_id, []))) for r in reqs]
-            tokens = sample(logits, rows, keys).tolist()
+            tokens = race(q, position_noise(keys, q.shape[-1], q.device)).tolist()
+            for i, r in enumerate(reqs):
+                if r.verifies_by_rejection:
+                    probs[r.request_id].append(q[i])
         for r, t in zip(reqs, tokens, strict=True):
             drafts.tokens.setdefault(r.request_id, []).append(int(t))
             n = walked.get(r.request_id, 0)

@@ -262,7 +262,7 @@ class SpeculationPolicy:
         1.14-1.22x, and with this plan weighed too 0.98-1.04x. In `bench spec`'s closed batches it did not lift
         c=16 (0.87-0.99x over eleven runs on one host): there a batch's first verifications pulled every estimate
         below the bar, which early drafts' own population (observe_verifications) has since addressed; on the
-        host that showed it this is not re-measured (docs/engine.md)."""
+        host that showed it this is not re-measured (docs/benchmarks/log.md)."""
         # plans as a [k, m] grid: row k - 1 has every candidate drafting min(k, its cap), summed over the first m
         alpha = np.array([alphas[r] for r in order])
         caps = np.array([candidates[r] for r in order])

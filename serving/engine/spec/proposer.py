@@ -12,12 +12,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    import torch
+
     from serving.engine.request import Request
 
 
 @dataclass
 class Proposals:
     tokens: dict[str, list[int]] = field(default_factory=dict)  # req_id -> draft tokens (absent: none)
+    # req_id -> q [k, vocab] of a model's drafts for a request verified by rejection sampling (unseeded, sampled)
+    probs: dict[str, torch.Tensor] = field(default_factory=dict)
     forward_seconds: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds) per draft forward
     rollout_seconds: float = 0.0  # a compiled rollout's time (priced as a whole: Proposer.fixed_draft_seconds)
 

@@ -22,7 +22,7 @@ is smaller than the rollout's has its extra steps dropped.
 The graph is compiled at start-up, before ready, for one sequence, with the context length symbolic. It
 serves the steps where a single sequence drafts: batch-1 latency, which speculation exists for. With several
 sequences drafting, one batched eager forward per position serves them all; a graph for 2 or more sequences
-was built and measured, and the cost rule below almost never chose it (docs/engine.md), so it is not
+was built and measured, and the cost rule below almost never chose it (docs/benchmarks/log.md), so it is not
 compiled. Serving never compiles: a call that the graph's guards refuse turns the rollout off with a
 warning, and drafting goes on step by step.
 
@@ -158,7 +158,7 @@ class DraftRollout:
         self.always = False  # `on`: roll out wherever it applies, without weighing the costs
         self.wrapper = wrapper
         # cpp: inductor writes the code that calls the graph's ~200 kernels in C++ rather than Python, which took
-        # a third of a rollout (speculative.draft_rollout_wrapper; docs/engine.md)
+        # a third of a rollout (speculative.draft_rollout_wrapper; docs/benchmarks/log.md)
         self._graph = torch.compile(rollout_graph, fullgraph=True, options={"cpp_wrapper": wrapper == "cpp"})
         self.rollout_cost = LinearCost(intercept=1e-3, slope=0.0)  # seconds per rollout (x: sequences, always 1)
         self.eager_cost = LinearCost(intercept=3e-4, slope=5e-5)  # seconds per eager draft forward, x = tokens

@@ -16,12 +16,12 @@ from serving.engine.config import SpeculativeConfig
 from serving.engine.grammar import mask_verify_rows
 from serving.engine.logits import adjust_logits
 from serving.engine.request import Request
-from serving.engine.sampling import SamplingRows, greedy_tokens, sample
+from serving.engine.sampling import SamplingRows, greedy_tokens, logits_to_probs, position_noise, race
 from serving.engine.scheduler import Scheduler, SchedulerOutput
 from serving.engine.spec.guard import SpeculationGuard
 from serving.engine.spec.policy import EARLY_OUTPUTS, SpeculationPolicy
 from serving.engine.spec.proposer import Proposals, Proposer
-from serving.engine.spec.rejection import accept_drafts
+from serving.engine.spec.rejection import accept_drafts, rejection_sample
 from serving.engine.types import SpecStats
 
 
@@ -46,6 +46,7 @@ class Speculator:
         self.policy = SpeculationPolicy(max_k=config.num_draft_tokens, adaptive=config.adaptive,
                                         uses_draft_model=proposer.uses_model)
         self.stats = SpecStats(accepted_per_position=[0] * config.num_draft_tokens)
+        self._draft_probs: dict[str, torch.Tensor] = {}  # req_id -> q [k, vocab], verified by rejection sampling
         self._drafted: set[str] = set()  # requests that have drafted: their draft has caught up once
         self._early: set[str] = set()  # requests whose current drafts were proposed early (EARLY_OUTPUTS)
         self._bookkeeping_seconds = 0.0  # this step's after_update, charged with the next proposals
@@ -134,8 +135,9 @@ class Speculator:
                 self._drafted.add(rid)
             grammar = by_id[rid].grammar
             if grammar is not None and tokens:  # cut where the grammar rejects (lossless either way: grammar.py)
-                tokens = grammar.admissible_drafts(tokens)
+                tokens = grammar.admissible_drafts(tokens, sampled=rid in proposed.probs)
             by_id[rid].spec_token_ids = tokens
+        self._draft_probs.update(proposed.probs)
 
     # ---- verifying ----------------------------------------------------------------------------------
 
@@ -156,13 +158,21 @@ class Speculator:
                 [r.output_token_ids + d[:j] for r, d, n in zip(reqs, drafts, lengths, strict=True) for j in range(n)],
             )
         if all(r.params.greedy for r in reqs):
-            targets = greedy_tokens(verify_logits)
-        else:  # the target's token at each row: its race on the noise of that output position (rejection.py)
-            row_params = [r.params for r, n in zip(reqs, lengths, strict=True) for _ in range(n)]
-            keys = [r.noise_key(j) for r, n in zip(reqs, lengths, strict=True) for j in range(n)]
-            targets = sample(verify_logits, SamplingRows.from_params(row_params, logits.shape[-1], logits.device),
-                             keys)
-        return [accept_drafts(t.tolist(), d) for t, d in zip(targets.split(lengths), drafts, strict=True)]
+            argmax = greedy_tokens(verify_logits).split(lengths)
+            return [accept_drafts(a.tolist(), d) for a, d in zip(argmax, drafts, strict=True)]
+        row_params = [r.params for r, n in zip(reqs, lengths, strict=True) for _ in range(n)]
+        probs = logits_to_probs(verify_logits, SamplingRows.from_params(row_params, logits.shape[-1], logits.device))
+        out: list[list[int]] = []
+        for p, req, d in zip(probs.split(lengths), reqs, drafts, strict=True):
+            q = self._draft_probs.pop(req.request_id, None)
+            if q is not None:  # an unseeded request's model drafts: rejection sampling (rejection.py)
+                out.append(rejection_sample(p, d, q[: len(d)], req.generator))
+            elif req.params.greedy:
+                out.append(accept_drafts(greedy_tokens(p).tolist(), d))
+            else:  # the target's token at each row: its race on the noise of that output position (rejection.py)
+                noise = position_noise([req.noise_key(j) for j in range(len(d) + 1)], p.shape[-1], p.device)
+                out.append(accept_drafts(race(p, noise).tolist(), d))
+        return out
 
     # ---- bookkeeping --------------------------------------------------------------------------------
 
@@ -202,6 +212,7 @@ class Speculator:
     def release(self, req_id: str) -> None:
         """The request left the running set (finished, aborted or preempted): drop its draft state."""
         self._drafted.discard(req_id)
+        self._draft_probs.pop(req_id, None)
         self._early.discard(req_id)
         self.policy.forget(req_id)
         self.proposer.release(req_id)

@@ -142,11 +142,13 @@ def letters_grammar(ebnf: str) -> xgr.CompiledGrammar:
     return xgr.GrammarCompiler(info).compile_grammar(ebnf)
 
 
-def test_drafts_are_cut_before_the_first_rejected_token_and_after_the_end() -> None:
+def test_drafts_are_cut_at_the_first_rejected_token_and_after_the_end() -> None:
     grammar = RequestGrammar(letters_grammar('root ::= "a" "b" "c"'))
     assert grammar.admissible_drafts([1, 2, 5, 3]) == [1, 2]
+    assert grammar.admissible_drafts([1, 2, 5, 3], sampled=True) == [1, 2, 5]  # rejected by rejection sampling
     assert grammar.admissible_drafts([1, 2, 3, 0]) == [1, 2, 3, 0]
-    assert grammar.admissible_drafts([1, 2, 3, 0, 1, 2]) == [1, 2, 3, 0]  # nothing after the stop token
+    for sampled in (False, True):  # nothing after the stop token
+        assert grammar.admissible_drafts([1, 2, 3, 0, 1, 2], sampled=sampled) == [1, 2, 3, 0]
     assert grammar.accept(1)  # the walks were rolled back: the matcher is still at the start
 
 

@@ -79,13 +79,15 @@ def exact_marginals(target: Path, params: SamplingParams) -> tuple[torch.Tensor,
 
 
 def sample_marginals(kit: Any, target: Path, draft: Path, params: SamplingParams, n: int,
-                     token_map: str | None = None) -> torch.Tensor:
+                     token_map: str | None = None, seeded: bool = True) -> torch.Tensor:
+    """seeded: verification by the coupled rule; unseeded: by rejection sampling (spec/rejection.py)."""
     engine = kit.make_engine(target, speculative=SpeculativeConfig(
         enabled=True, method="draft", draft_model=str(draft), adaptive=False, num_draft_tokens=2,
         draft_token_map=token_map), max_num_seqs=256, max_num_batched_tokens=1024, max_queue=n)
     grammar = compiled()
     for i in range(n):
-        engine.add_request(GenerationRequest(str(i), PROMPT, dataclasses.replace(params, seed=i, max_tokens=3),
+        engine.add_request(GenerationRequest(str(i), PROMPT, dataclasses.replace(params, seed=i if seeded else None,
+                                                                                 max_tokens=3),
                                              grammar=grammar))
     got: dict[str, list[int]] = {str(i): [] for i in range(n)}
     while engine.has_unfinished_requests():
@@ -108,17 +110,18 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
 
 
+@pytest.mark.parametrize("seeded", [True, False], ids=["coupled", "rejection"])
 @pytest.mark.parametrize("params", [
     pytest.param(SamplingParams(temperature=1.0), id="t1"),
     pytest.param(SamplingParams(temperature=0.8, top_k=5, top_p=0.9, presence_penalty=1.5, logit_bias={3: 2.0}),
                  id="topk-topp-penalty-bias"),
 ])
 def test_speculative_sampling_keeps_the_masked_target_distribution(
-    kit: Any, pair: tuple[Path, Path], params: SamplingParams
+    kit: Any, pair: tuple[Path, Path], params: SamplingParams, seeded: bool
 ) -> None:
     target, draft = pair
     p2, p3 = exact_marginals(target, params)
-    counts = sample_marginals(kit, target, draft, params, 1500)
+    counts = sample_marginals(kit, target, draft, params, 1500, seeded=seeded)
     assert chi_square(counts[0], p2) < CHI2_CRITICAL_DF7
     assert chi_square(counts[1], p3) < CHI2_CRITICAL_DF7
 
@@ -146,20 +149,22 @@ def test_unmasked_sampled_drafts_cut_after_their_first_rejected_token_stay_lossl
     kit: Any, pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The draft model follows the grammar too; without that, its ungrammatical drafts are kept up to the first
-    rejected one (rejected by the masked target for certain) and the output is still exactly distributed."""
+    rejected one (rejected by the masked target for certain) and the output is still exactly distributed
+    (unseeded: rejection sampling, where the cut matters)."""
     from serving.engine.spec import draft as draft_module
 
     monkeypatch.setattr(draft_module, "apply_grammar_masks", lambda logits, grammars: logits)
     target, draft = pair
     params = SamplingParams(temperature=1.0)
     p2, p3 = exact_marginals(target, params)
-    counts = sample_marginals(kit, target, draft, params, 1500)
+    counts = sample_marginals(kit, target, draft, params, 1500, seeded=False)
     assert chi_square(counts[0], p2) < CHI2_CRITICAL_DF7
     assert chi_square(counts[1], p3) < CHI2_CRITICAL_DF7
 
 
+@pytest.mark.parametrize("seeded", [True, False], ids=["coupled", "rejection"])
 def test_a_draft_with_a_token_map_keeps_the_masked_target_distribution(
-    kit: Any, pair: tuple[Path, Path], tmp_path: Path
+    kit: Any, pair: tuple[Path, Path], tmp_path: Path, seeded: bool
 ) -> None:
     """speculative.draft_token_map: the draft proposes only <eos>, a, b, c, so its q is 0 for d-g, which the
     grammar allows as the second letter; the output is still exactly the masked target's (rejection sampling
@@ -172,6 +177,6 @@ def test_a_draft_with_a_token_map_keeps_the_masked_target_distribution(
     (mapped / "token_map.json").write_text("[0, 1, 2, 3]")
     params = SamplingParams(temperature=1.0)
     p2, p3 = exact_marginals(target, params)
-    counts = sample_marginals(kit, target, mapped, params, 1500, token_map="token_map.json")
+    counts = sample_marginals(kit, target, mapped, params, 1500, token_map="token_map.json", seeded=seeded)
     assert chi_square(counts[0], p2) < CHI2_CRITICAL_DF7
     assert chi_square(counts[1], p3) < CHI2_CRITICAL_DF7

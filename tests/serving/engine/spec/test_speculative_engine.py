@@ -158,12 +158,14 @@ def exact_marginals(target: Path, params: SamplingParams) -> tuple[torch.Tensor,
     return p2, p3
 
 
-def sample_marginals(kit: Any, target: Path, draft: Path, params: SamplingParams, n: int) -> torch.Tensor:
+def sample_marginals(kit: Any, target: Path, draft: Path, params: SamplingParams, n: int,
+                     seeded: bool = True) -> torch.Tensor:
+    """seeded: verification by the coupled rule; unseeded: by rejection sampling (spec/rejection.py)."""
     engine = spec_engine(kit, target, method="draft", draft_model=str(draft), adaptive=False, num_draft_tokens=2,
                          max_num_seqs=256, max_num_batched_tokens=1024, max_queue=n)
     outs = kit.run_to_completion(
         engine, [PROMPT] * n,
-        [dataclasses.replace(params, seed=i, max_tokens=3, ignore_eos=True) for i in range(n)],
+        [dataclasses.replace(params, seed=i if seeded else None, max_tokens=3, ignore_eos=True) for i in range(n)],
     )
     assert engine.stats().spec.num_drafts > n // 2  # the 2nd/3rd tokens really went through verification
     counts = torch.zeros(2, SMALL_VOCAB)
@@ -189,13 +191,14 @@ SAMPLED = [
 ]
 
 
+@pytest.mark.parametrize("seeded", [True, False], ids=["coupled", "rejection"])
 @pytest.mark.parametrize("params", SAMPLED)
 def test_speculative_sampling_keeps_the_target_distribution(
-    kit: Any, small_vocab_pair: tuple[Path, Path], params: SamplingParams
+    kit: Any, small_vocab_pair: tuple[Path, Path], params: SamplingParams, seeded: bool
 ) -> None:
     target, draft = small_vocab_pair
     p2, p3 = exact_marginals(target, params)
-    counts = sample_marginals(kit, target, draft, params, 1500)
+    counts = sample_marginals(kit, target, draft, params, 1500, seeded)
     assert chi_square(counts[0], p2) < CHI2_CRITICAL_DF7
     assert chi_square(counts[1], p3) < CHI2_CRITICAL_DF7
 
@@ -211,6 +214,20 @@ def test_the_distribution_test_detects_a_broken_acceptance_rule(
     params = SamplingParams(temperature=1.0)
     p2, _ = exact_marginals(target, params)
     counts = sample_marginals(kit, target, draft, params, 1500)
+    assert chi_square(counts[0], p2) > CHI2_CRITICAL_DF7
+
+
+def test_the_distribution_test_detects_a_broken_rejection_rule(
+    kit: Any, small_vocab_pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def accept_everything(p: torch.Tensor, drafts: list[int], q: Any, generator: torch.Generator) -> list[int]:
+        return drafts + [int(torch.multinomial(p[len(drafts)], 1, generator=generator))]
+
+    monkeypatch.setattr(speculator_module, "rejection_sample", accept_everything)
+    target, draft = small_vocab_pair
+    params = SamplingParams(temperature=1.0)
+    p2, _ = exact_marginals(target, params)
+    counts = sample_marginals(kit, target, draft, params, 1500, seeded=False)
     assert chi_square(counts[0], p2) > CHI2_CRITICAL_DF7
 
 
