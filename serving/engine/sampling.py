@@ -93,7 +93,8 @@ _SMALLEST_UNIFORM = 2.0**-25  # below torch.rand's float32 step (2^-24): E stays
 
 def position_seed(key: NoiseKey) -> int:
     """A 63-bit generator seed for one output position of one request: splitmix64 over (seed, position), so
-    neighbouring seeds and positions give unrelated streams."""
+    neighbouring seeds and positions give unrelated streams, and every bit of the seed counts (a CPU generator
+    keeps only the low 32 bits of what it is seeded with)."""
     seed, position = key
     x = ((seed & _MASK64) * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
     for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
