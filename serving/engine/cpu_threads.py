@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -36,12 +38,31 @@ class ThreadsDecision:
     step_ms: dict[int, tuple[float, float]] | None = None  # threads -> (1-token, 16-token) step, when measured
 
 
-def usable_cores() -> int:
-    """Cores this process may run on (its CPU affinity, which a container's cpuset limits), at least 1."""
+def usable_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """Cores this process may run on, at least 1: its CPU affinity (a container's cpuset), capped by a CPU quota
+    (a container's --cpus, a pod's CPU limit), which the affinity does not show: threads past the quota are
+    throttled in turns."""
     try:
-        return max(len(os.sched_getaffinity(0)), 1)
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        return max(os.cpu_count() or 1, 1)
+        cores = os.cpu_count() or 1
+    quota = cpu_quota(cgroup)
+    return max(min(cores, math.ceil(quota)) if quota is not None else cores, 1)
+
+
+def cpu_quota(cgroup: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """CPUs' worth of time the cgroup may use (cgroup v2 cpu.max, else v1 cfs quota / period); None: no limit."""
+    try:
+        quota, period = (cgroup / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota_us = int((cgroup / "cpu" / "cpu.cfs_quota_us").read_text())
+        period_us = int((cgroup / "cpu" / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota_us / period_us if quota_us > 0 and period_us > 0 else None
 
 
 def candidates(cores: int) -> list[int]:

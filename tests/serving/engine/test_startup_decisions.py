@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -80,6 +82,22 @@ def test_an_explicit_dtype_wins_on_every_device(llama_dir: Path) -> None:
 @pytest.mark.parametrize("cores, expected", [(1, [1]), (2, [1]), (3, [1, 2]), (4, [1, 2, 3]), (16, [1, 2, 4, 8, 15])])
 def test_auto_keeps_a_core_for_the_server_and_measures_the_rest(cores: int, expected: list[int]) -> None:
     assert cpu_threads.candidates(cores) == expected
+
+
+@pytest.mark.parametrize("files, expected", [
+    ({"cpu.max": "150000 100000\n"}, 1.5),  # cgroup v2: --cpus 1.5
+    ({"cpu.max": "max 100000\n"}, None),
+    ({"cpu/cpu.cfs_quota_us": "200000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 2.0),  # cgroup v1
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ({}, None),
+])
+def test_a_cpu_quota_caps_the_usable_cores(tmp_path: Path, files: dict[str, str], expected: float | None) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cpu_threads.cpu_quota(tmp_path) == expected
+    affinity = len(os.sched_getaffinity(0))
+    assert cpu_threads.usable_cores(tmp_path) == (min(affinity, math.ceil(expected)) if expected else affinity)
 
 
 @pytest.fixture
