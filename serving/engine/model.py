@@ -134,6 +134,9 @@ class Attention(nn.Module):
         # reading the paged cache in place (serving.engine.cpu_attention; Transformer.set_decode_kernel); None:
         # gather + SDPA
         self.decode_kernel: Callable[..., torch.Tensor] | None = None
+        # CUDA, paged: decode and verify groups through a Triton kernel with the decode kernel's signature
+        # (serving.engine.gpu_kernels; Transformer.set_triton_kernels); None: FlexAttention
+        self.paged_decode_kernel: Callable[..., torch.Tensor] | None = None
 
     def forward(
         self,
@@ -177,7 +180,12 @@ class Attention(nn.Module):
         else:
             assert group.query_index is not None
             q_pad = q.index_select(0, group.query_index)
-        if self.paged:
+        if self.paged and max_q <= KERNEL_MAX_QUERY and self.paged_decode_kernel is not None:
+            assert group.q_start is not None and group.seq_lens is not None
+            k_blocks, v_blocks = cache.layer_blocks(layer)
+            o = self.paged_decode_kernel(q_pad, k_blocks, v_blocks, group.block_tables, group.q_start,
+                                         group.seq_lens, self.n_rep, self.scale)
+        elif self.paged:
             o = self.attend_paged(q_pad.view(g, max_q, self.n_heads, d).transpose(1, 2), group, cache, layer)
         elif max_q <= KERNEL_MAX_QUERY and self.decode_kernel is not None:
             assert group.q_start is not None and group.seq_lens is not None
@@ -226,6 +234,9 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     # tensor parallelism (serving.engine.parallel) sets an in-place all-reduce here; None on one device
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # CUDA: (x, residual, weight, eps) -> (RMSNorm(x + residual), x + residual) in one kernel for the MLP's norm
+    # (serving.engine.gpu_kernels; Transformer.set_triton_kernels); None: the two apart
+    residual_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -247,6 +258,9 @@ class TransformerBlock(nn.Module):
         attended = self.attention(self.attention_norm(x), cos, sin, batch, cache, layer, decode)
         if self.reduce is not None:  # tensor parallel: sum the ranks' partial row-parallel outputs
             attended = self.reduce(attended)
+        if self.residual_norm is not None and self.reduce is None:
+            normed, h = self.residual_norm(attended, x, self.ffn_norm.weight, self.ffn_norm.eps)
+            return h + self.feed_forward(normed)
         h = x + attended
         mlp = self.feed_forward(self.ffn_norm(h))
         return h + (mlp if self.reduce is None else self.reduce(mlp))
@@ -264,6 +278,8 @@ class Transformer(nn.Module):
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.paged_attention = False  # set_paged_attention
+        # decode steps captured whole attend through this (serving.engine.gpu_kernels) instead of FlexAttention
+        self.captured_decode_kernel: Callable[..., torch.Tensor] | None = None
         self.quantization = "none"  # set by the loader: none, int8 or fp8 (serving.engine.quant)
         self.rope_cos = torch.empty(0)  # [max_model_len, D] fp32, indexed by position
         self.rope_sin = torch.empty(0)
@@ -282,6 +298,17 @@ class Transformer(nn.Module):
         for layer in self.layers:
             assert isinstance(layer, TransformerBlock)
             layer.attention.decode_kernel = kernel
+
+    def set_triton_kernels(self, paged_decode: Callable[..., torch.Tensor] | None,
+                           captured_decode: Callable[..., torch.Tensor] | None,
+                           residual_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+        """CUDA: decode and verify groups, decode steps captured whole and the MLP's residual + norm through these
+        kernels (serving.engine.gpu_kernels.enable_triton_kernels checks where they apply); None: the default."""
+        self.captured_decode_kernel = captured_decode
+        for layer in self.layers:
+            assert isinstance(layer, TransformerBlock)
+            layer.attention.paged_decode_kernel = paged_decode
+            layer.residual_norm = residual_norm
 
     @property
     def dtype(self) -> torch.dtype:
@@ -324,7 +351,8 @@ class Transformer(nn.Module):
         """A decode step (one token per row) that reads the cache and does not write it: hidden [G, dim] and the
         new K and V [L, G, Hkv, D], for the caller to store. tables [G, W] int32, ctx_lens [G]: each row's block
         table and the tokens cached before its new one. Static shapes only, so it compiles and captures whole."""
-        decode = CapturedDecode(*cache.all_layer_blocks(), tables, ctx_lens, self.args.head_dim**-0.5)
+        decode = CapturedDecode(*cache.all_layer_blocks(), tables, ctx_lens, self.args.head_dim**-0.5,
+                                self.captured_decode_kernel)
         hidden = self.forward_tokens(input_ids, positions, None, None, decode)
         return hidden, torch.stack(decode.new_k), torch.stack(decode.new_v)
 

@@ -175,10 +175,13 @@ class CapturedDecode:
     (torch 2.11, found on an H200 with a 311k-block cache)."""
 
     def __init__(self, k_layers: list[torch.Tensor], v_layers: list[torch.Tensor], tables: torch.Tensor,
-                 ctx_lens: torch.Tensor, scale: float) -> None:
+                 ctx_lens: torch.Tensor, scale: float, kernel: Callable[..., torch.Tensor] | None = None) -> None:
         self.k_layers, self.v_layers = k_layers, v_layers  # per layer [num_blocks, block_size, Hkv, D]
         num_blocks, block_size = k_layers[0].shape[0], k_layers[0].shape[1]
-        self.block_mask = context_block_mask(tables, ctx_lens, num_blocks, block_size)  # one for all layers
+        # kernel: (q, k_new, v_new, k_blocks, v_blocks, tables, ctx_lens, scale) -> [G, Hq * D] reading the table
+        # itself (serving.engine.gpu_kernels), in place of FlexAttention and its block mask
+        self.kernel, self.tables, self.ctx_lens = kernel, tables, ctx_lens
+        self.block_mask = None if kernel else context_block_mask(tables, ctx_lens, num_blocks, block_size)
         self.scale = scale
         self.new_k: list[torch.Tensor] = []  # per layer [G, Hkv, D]
         self.new_v: list[torch.Tensor] = []
@@ -187,5 +190,8 @@ class CapturedDecode:
         """q [G, Hq, D], k/v [G, Hkv, D] of this layer's new tokens -> [G, Hq * D]."""
         self.new_k.append(k)
         self.new_v.append(v)
+        if self.kernel is not None:
+            return self.kernel(q, k, v, self.k_layers[layer], self.v_layers[layer], self.tables, self.ctx_lens,
+                               self.scale)
         return attend_context_and_self(q, k, v, self.k_layers[layer], self.v_layers[layer], self.block_mask,
                                        self.scale)
