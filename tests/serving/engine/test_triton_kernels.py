@@ -3,8 +3,9 @@
 Triton decides at decoration time whether a kernel is compiled or interpreted (TRITON_INTERPRET, read when
 `triton.jit` runs), so the fixture loads a private copy of the module with the variable set and restores it at
 once: nothing else in the test process sees it, and `serving.engine.triton_kernels` itself is untouched.
-Each kernel is held against a float64 reference; shapes stay tiny because the interpreter is slow. The same
-checks on a GPU, and the kernels inside the engine's compiled steps, are in test_cuda_triton.py."""
+Each kernel is held against a float64 reference; shapes stay tiny because the interpreter is slow. The tests
+marked gpu hold the compiled kernels against the same reference on a card at Llama-3-8B's head shapes (`make
+gpu-test`); the kernels inside the engine's compiled and captured steps are in test_cuda_triton.py."""
 
 from __future__ import annotations
 
@@ -289,3 +290,61 @@ def test_captured_decode_step_through_the_kernel_equals_the_eager_step(tk: Modul
     slots, layers = batch.slot_mapping, model.args.n_layers
     torch.testing.assert_close(new_k[:, order], runner.cache.k.view(layers, -1, *new_k.shape[2:])[:, slots])
     torch.testing.assert_close(new_v[:, order], runner.cache.v.view(layers, -1, *new_v.shape[2:])[:, slots])
+
+
+# ---- the compiled kernels on a GPU (make gpu-test) --------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make gpu-test)")
+
+
+@pytest.mark.parametrize("q_lens", [[1] * 5, [13, 9, 5, 1, 13]], ids=["decode", "verify"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.gpu
+@needs_cuda
+def test_compiled_attention_on_cuda_at_8b_head_shapes(dtype: torch.dtype, q_lens: list[int]) -> None:
+    """Llama-3-8B's heads (8 KV heads of 4 query heads, head dim 128), 16-token blocks, contexts of 1 to 2,048
+    keys, tables in random order: the compiled kernel against float64, with and without the new key."""
+    bs, hkv, rep, d = 16, 8, 4, 128
+    seq_lens = torch.tensor([13, 17, 300, 1000, 2048])
+    k, v = random_cache(700, bs, hkv, d, dtype)
+    gen = torch.Generator().manual_seed(8)
+    tables = torch.randperm(700, generator=gen)[: 5 * 128].view(5, 128)
+    max_q = max(q_lens)
+    q_start = seq_lens - torch.tensor(q_lens)
+    q_pad = torch.randn(5 * max_q, hkv * rep, d, generator=gen).to(dtype)
+    scale, cuda = d**-0.5, torch.device("cuda")
+    got = compiled_kernels.paged_decode_attention(q_pad.to(cuda), k.to(cuda), v.to(cuda), tables.to(cuda),
+                                                  q_start.to(cuda), seq_lens.to(cuda), rep, scale).cpu()
+    want = reference_attention(q_pad, k, v, tables, q_start, seq_lens, q_lens, scale)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(real_rows(got, q_lens, max_q).double(), real_rows(want, q_lens, max_q), atol=tol,
+                               rtol=tol)
+    if max_q == 1:  # decode captured whole: the cached context plus a new key per row
+        k_new, v_new = torch.randn(5, hkv, d, generator=gen).to(dtype), torch.randn(5, hkv, d, generator=gen).to(dtype)
+        ctx = seq_lens - 1
+        got = compiled_kernels.decode_with_new_key(q_pad.to(cuda), k_new.to(cuda), v_new.to(cuda), k.to(cuda),
+                                                   v.to(cuda), tables.int().to(cuda), ctx.to(cuda), scale).cpu()
+        want = reference_attention(q_pad, k, v, tables, ctx, ctx, q_lens, scale, k_new, v_new)
+        torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_compiled_residual_rmsnorm_on_cuda_rounds_as_the_model() -> None:
+    """On a GPU the sum is bit-equal to `x + residual` and the norm to the model's RMSNorm but for the fp32
+    reduction's order (one bf16 step at most, on few elements)."""
+    from serving.engine.model import RMSNorm
+
+    cuda = torch.device("cuda")
+    gen = torch.Generator().manual_seed(9)
+    norm = RMSNorm(4096, 1e-5).to(cuda, torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(4096, generator=gen))
+    x = torch.randn(64, 4096, generator=gen).bfloat16().to(cuda)
+    residual = torch.randn(64, 4096, generator=gen).bfloat16().to(cuda)
+    normed, h = compiled_kernels.residual_rmsnorm(x, residual, norm.weight.detach(), norm.eps)
+    assert torch.equal(h, x + residual)
+    with torch.no_grad():
+        want = norm(x + residual)
+    torch.testing.assert_close(normed.float(), want.float(), atol=1e-6, rtol=2**-7)
+    assert (normed != want).float().mean().item() < 0.01
