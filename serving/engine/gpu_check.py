@@ -1,9 +1,10 @@
 """The GPU check of issue 35 in one run: decode against the bandwidth bound, on Llama-3-8B and ~1.1B shapes.
 
-For each model (random bf16 weights built on the device, nothing downloaded or saved), each mode (eager; captured:
-compiled steps with CUDA graphs and decode steps captured whole, as the engine runs on CUDA; triton: captured,
-with the Triton kernels of serving.engine.gpu_kernels) and each batch (1, 16, 64 sequences, contexts cycling
-through CONTEXT_MIX), it measures:
+For each model (random bf16 weights built on the device, nothing downloaded or saved), each mode (captured:
+compiled steps with CUDA graphs and decode steps captured whole, as the engine runs on CUDA; captured+triton: the
+same with the Triton paged decode attention of serving.engine.gpu_kernels; eager; eager+triton: eager with the
+Triton attention and the fused residual + RMSNorm) and each batch (1, 16, 64 sequences, contexts cycling through
+CONTEXT_MIX), it measures:
 
 - end to end: engine steps (scheduling, forward, sampling, bookkeeping) once every request is decoding:
   tokens/s and ms per step (= ms per token of each sequence), and the forward alone (the step's forward and
@@ -15,9 +16,13 @@ through CONTEXT_MIX), it measures:
 - at batch 1 and 16: verify(k + 1) ÷ decode(1), the forward of k + 1 query tokens per sequence against one, on
   the same contexts, for k = 4, 8, 12: what a verification costs against the step it replaces.
 
-It prints one table and writes JSON (`--json`). A time budget (`--budget-s`) skips what is left, saying so, rather
-than run past it. `make gpu-check` runs it; `--dry-run` runs the same code on a tiny model on CPU (eager only),
-which the tests do so that the script is known to run before a card is lent.
+Only the buckets the rows use are compiled (decode at 1, 16, 64 rows captured whole; the verify steps' piecewise
+buckets), and captured+triton reuses the captured mode's piecewise graphs, recapturing only the decode graphs. It
+prints one table and writes JSON (`--json`). A time budget (`--budget-s`) skips what is left, saying so, rather than
+run past it: a captured mode starts only if its graphs fit the time left at the rate the last ones took. `make gpu-
+check` runs it; `--dry-run` runs the same code on a tiny model on CPU (the captured mode traced with the eager
+backend; the Triton modes refused there, their rows saying so), which the tests do so that the script is known to
+run before a card is lent.
 """
 
 from __future__ import annotations
@@ -47,7 +52,9 @@ TINY: dict[str, Any] = dict(vocab_size=128, hidden_size=64, intermediate_size=96
 SHAPES = {"8b": LLAMA3_8B, "1b": ONE_B, "tiny": TINY}
 
 CONTEXT_MIX = (128, 512, 1024, 2048)  # sequence i of a batch holds CONTEXT_MIX[i % 4] tokens
-MODES = ("eager", "captured", "triton")
+# captured: compiled steps with CUDA graphs, decode captured whole (the engine on CUDA); +triton: with the Triton
+# kernels (serving.engine.gpu_kernels). In that order by default: the budget skips the last ones first.
+MODES = ("captured", "captured+triton", "eager", "eager+triton")
 VERIFY_KS = (4, 8, 12)
 VERIFY_BATCHES = (1, 16)
 
@@ -259,31 +266,73 @@ def make_engine(model: Any, plan: Plan, num_blocks: int) -> Any:
     return LLMEngine(model, config, num_blocks)
 
 
-def capture(engine: Any, plan: Plan) -> None:
-    """Compile and capture only the buckets the rows use: decode steps captured whole at each batch, piecewise
-    graphs for the verify steps (k + 1 tokens of each sequence), as the engine's start-up would for them."""
-    from serving.engine.compile import BUCKETS, CompiledForward
+def _bucket(n: int) -> int:
+    from serving.engine.compile import BUCKETS
 
-    def bucket(n: int) -> int:
-        return next((b for b in BUCKETS if b >= n), BUCKETS[-1])
+    return next((b for b in BUCKETS if b >= n), BUCKETS[-1])
 
-    verify = sorted({bucket(b * (k + 1)) for b in VERIFY_BATCHES if b in plan.batches for k in plan.ks})
-    decode = sorted({bucket(b) for b in plan.batches})
-    compiled = CompiledForward(engine.model, sorted({*verify, *decode}), max_decode_rows=max(plan.batches))
-    compiled._decode_cache = engine.cache  # what warm_up sets: the cache the decode graphs read
-    if compiled.cuda_graphs:
+
+def capture_buckets(plan: Plan) -> tuple[list[int], list[int]]:
+    """The buckets the rows use: piecewise graphs for the verify steps (k + 1 tokens of each sequence of a verify
+    batch), and decode steps captured whole at each batch."""
+    verify = sorted({_bucket(b * (k + 1)) for b in VERIFY_BATCHES if b in plan.batches for k in plan.ks})
+    return verify, sorted({_bucket(b) for b in plan.batches})
+
+
+def capture(engine: Any, plan: Plan, piecewise_from: Any = None) -> Any:
+    """Compile and capture the buckets the rows use, as the engine's start-up does for its own buckets; returns
+    the CompiledForward, also set on the engine. piecewise_from: a CompiledForward of the same model whose
+    piecewise graphs are reused (attention is outside them, so the Triton attention kernel does not change them),
+    so that only the decode graphs are captured again."""
+    from serving.engine.compile import CompiledForward
+
+    verify, decode = capture_buckets(plan)
+    # CPU (the dry run): graphs traced with the eager backend, no decode captured whole (no paged attention there)
+    compiled = CompiledForward(engine.model, sorted({*verify, *decode}), max_decode_rows=max(plan.batches),
+                               backend="inductor" if engine.device.type == "cuda" else "eager")
+    compiled._decode_cache = engine.cache  # as warm_up sets it: the cache the decode graphs read
+    if compiled.cuda_graphs:  # as warm_up: the graphs read the cache and rope tables in place
         k_layers, v_layers = engine.cache.all_layer_blocks()
         for t in [*k_layers, *v_layers, engine.model.rope_cos, engine.model.rope_sin]:
             torch._dynamo.mark_static_address(t)
     with torch.inference_mode():
-        for b in verify:
-            compiled._warm_up_bucket(b, engine.cache, engine.builder, measure=False)
-        for b in decode:
+        if piecewise_from is not None:
+            compiled.graphs = dict(piecewise_from.graphs)
+        else:
+            for b in verify:
+                compiled._warm_up_bucket(b, engine.cache, engine.builder, measure=False)
+        for b in decode if compiled.whole_decode else []:
             compiled._warm_up_decode(b, engine.cache, engine.builder, measure=False)
     failed = [f"{d.kind} {d.tokens}: {d.note}" for d in compiled.decisions if not d.compiled]
     if failed:
         raise RuntimeError("capture failed: " + "; ".join(failed))
     engine.compiled = compiled
+    return compiled
+
+
+def set_mode(engine: Any, mode: str, plan: Plan, piecewise_from: Any) -> Any:
+    """Put the model in a mode: its kernels, and for the captured modes its graphs. Returns the CompiledForward
+    (None: eager)."""
+    from serving.engine.gpu_kernels import enable_triton_kernels
+
+    engine.compiled = None
+    gc.collect()
+    model = engine.model
+    if mode == "eager+triton":
+        enable_triton_kernels(model, engine.block_size)
+    elif mode == "captured+triton":
+        # attention only: inside compiled graphs inductor already fuses the residual add with the norm
+        enable_triton_kernels(model, engine.block_size, norm=False)
+    else:
+        model.set_triton_kernels(None, None, None)
+    if mode.startswith("captured"):
+        return capture(engine, plan, piecewise_from)
+    return None
+
+
+# Seconds a graph takes to compile and capture before one has been measured (8B shapes, an H200's host: a guess
+# that errs long, so that a mode is skipped rather than run past the budget).
+_FIRST_GRAPH_S = 45.0
 
 
 def measure_model(name: str, plan: Plan, bandwidth: float, deadline: float, log: Callable[[str], None]) -> list[Row]:
@@ -299,27 +348,27 @@ def measure_model(name: str, plan: Plan, bandwidth: float, deadline: float, log:
     num_blocks = sum(-(-(c + max(plan.ks) + plan.steps + 80) // block_size) for c in widest) + 16
     engine = make_engine(model, plan, num_blocks)
     log(f"{name}: {parameter_count(shape) / 1e9:.2f}B parameters built in {time.perf_counter() - started:.1f} s")
+    piecewise = None  # the captured mode's CompiledForward: its piecewise graphs serve captured+triton too
+    graph_s = _FIRST_GRAPH_S
     for mode in plan.modes:
-        if time.perf_counter() > deadline:
+        verify, decode = capture_buckets(plan)
+        graphs = (len(decode) + (0 if piecewise is not None and mode == "captured+triton" else len(verify))
+                  if mode.startswith("captured") and plan.device == "cuda" else 0)
+        if time.perf_counter() + graphs * graph_s > deadline:
             rows += [Row(name, mode, b, 0, note="skipped: over the time budget") for b in plan.batches]
             continue
-        engine.compiled = None
-        gc.collect()
-        note = ""
+        started = time.perf_counter()
         try:
-            if mode == "triton":
-                from serving.engine.gpu_kernels import enable_triton_kernels
-
-                enable_triton_kernels(model, engine.block_size)
-            else:
-                model.set_triton_kernels(None, None, None)
-            if mode != "eager":
-                started = time.perf_counter()
-                capture(engine, plan)
-                note = f"captured in {time.perf_counter() - started:.0f} s"
+            compiled = set_mode(engine, mode, plan, piecewise if mode == "captured+triton" else None)
         except Exception as exc:  # a mode that cannot run here says why in its rows; the others still run
             rows += [Row(name, mode, b, 0, note=f"{type(exc).__name__}: {exc}"[:200]) for b in plan.batches]
             continue
+        note = ""
+        if compiled is not None:
+            spent = time.perf_counter() - started
+            graph_s = spent / max(graphs, 1)
+            note = f"{len(compiled.graphs)} piecewise + {len(compiled.decode_graphs)} decode graphs, {spent:.0f} s"
+            piecewise = compiled if mode == "captured" else piecewise
         for batch in plan.batches:
             contexts = batch_contexts(batch, plan.contexts)
             row = Row(name, mode, batch, round(sum(contexts) / batch), note=note)
@@ -335,8 +384,9 @@ def measure_model(name: str, plan: Plan, bandwidth: float, deadline: float, log:
             row.step_ms, row.kernels_per_step = end_to_end(engine, contexts, plan.steps, model.args.vocab_size)
             row.tokens_per_s = 1e3 * batch / row.step_ms
             log(format_row(row))
+    engine.compiled = None
     engine.close()
-    del engine, model
+    del engine, model, piecewise
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -385,7 +435,7 @@ def parse_args(argv: list[str] | None) -> tuple[Plan, Path | None]:
     parser.add_argument("--json", type=Path, default=None,
                         help="write the rows here (default: reports/gpu-check-TIME.json)")
     parser.add_argument("--dry-run", action="store_true",
-                        help="the tiny model on CPU, eager, batches 1 and 2, the smallest k: checks that it runs")
+                        help="the tiny model on CPU, batches 1 and 2, the smallest k: checks that it runs")
     args = parser.parse_args(argv)
 
     def ints(text: str, what: str) -> list[int]:
@@ -404,7 +454,7 @@ def parse_args(argv: list[str] | None) -> tuple[Plan, Path | None]:
             parser.error(f"--{what}: unknown {', '.join(unknown)}; want some of {', '.join(allowed)}")
     batches, ks = ints(args.batches, "batches"), ints(args.ks, "ks")
     if args.dry_run:
-        plan = Plan(["tiny"], ["eager"], [1, 2], [min(ks)], steps=2, repeats=2,
+        plan = Plan(["tiny"], list(MODES), [1, 2], [min(ks)], steps=2, repeats=2,
                     budget_s=args.budget_s, device="cpu", dtype=torch.float32, max_model_len=256,
                     contexts=(8, 24, 40, 56))
     else:

@@ -61,8 +61,8 @@ def test_table_has_one_row_per_measurement_and_dashes_for_what_is_missing() -> N
 
 def test_arguments() -> None:
     plan, path = gpu_check.parse_args([])
-    assert (plan.models, plan.modes, plan.batches, plan.ks) == (["8b", "1b"], ["eager", "captured", "triton"],
-                                                              [1, 16, 64], [4, 8, 12])
+    assert (plan.models, plan.batches, plan.ks) == (["8b", "1b"], [1, 16, 64], [4, 8, 12])
+    assert plan.modes == ["captured", "captured+triton", "eager", "eager+triton"]  # the budget skips the last first
     assert plan.device == "cuda" and plan.dtype == torch.bfloat16 and path is None
     plan, path = gpu_check.parse_args(["--models", "1b", "--modes", "captured", "--batches", "1", "--json", "x.json"])
     assert (plan.models, plan.modes, plan.batches, path) == (["1b"], ["captured"], [1], Path("x.json"))
@@ -74,6 +74,14 @@ def test_arguments() -> None:
         assert exit_info.value.code == 2
 
 
+def test_only_the_buckets_the_rows_use_are_captured() -> None:
+    plan, _ = gpu_check.parse_args([])
+    # verify: batch 1 at k + 1 = 5, 9, 13 tokens -> buckets 8 and 16; batch 16 at 80, 144, 208 -> 128 and 256
+    assert gpu_check.capture_buckets(plan) == ([8, 16, 128, 256], [1, 16, 64])
+    plan, _ = gpu_check.parse_args(["--batches", "1", "--ks", "4"])
+    assert gpu_check.capture_buckets(plan) == ([8], [1])
+
+
 def test_without_a_gpu_the_check_refuses_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
@@ -83,17 +91,24 @@ def test_without_a_gpu_the_check_refuses_and_says_so(capsys: pytest.CaptureFixtu
 
 def test_dry_run_on_cpu_prints_one_table_and_writes_json(tmp_path: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Every mode's code runs: captured (piecewise graphs traced with the eager backend on CPU) and eager are
+    measured; the Triton modes are refused on CPU, and their rows say why."""
     out = tmp_path / "check.json"
     assert gpu_check.main(["--dry-run", "--json", str(out)]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert sum(line.startswith("| model |") for line in printed) == 1
-    assert len([line for line in printed if line.startswith("| tiny | eager |")]) == 2
+    assert len([line for line in printed if line.startswith("| tiny |")]) == 8  # 4 modes x batches 1, 2
     result = json.loads(out.read_text())
     assert result["device"] == "cpu" and result["params"] == {"tiny": gpu_check.parameter_count(TINY)}
-    rows = {row["batch"]: row for row in result["rows"]}
-    assert sorted(rows) == [1, 2]
-    for row in rows.values():
-        assert row["tokens_per_s"] > 0 and row["step_ms"] > 0 and row["forward_ms"] > 0
-        assert 0 < row["fraction_of_bound"] and row["kernels_per_step"] is None  # no kernels to count on CPU
-    assert set(rows[1]["verify_ratio"]) == {"4"} and rows[2]["verify_ratio"] == {}
-    assert rows[2]["bound_step_ms"] > rows[1]["bound_step_ms"]  # batch 2 adds its sequences' K/V
+    rows = {(row["mode"], row["batch"]): row for row in result["rows"]}
+    assert len(rows) == 8
+    for mode in ("captured", "eager"):
+        for batch in (1, 2):
+            row = rows[mode, batch]
+            assert row["tokens_per_s"] > 0 and row["step_ms"] > 0 and row["forward_ms"] > 0, row
+            assert row["fraction_of_bound"] > 0 and row["kernels_per_step"] is None  # no kernels to count on CPU
+        assert set(rows[mode, 1]["verify_ratio"]) == {"4"} and rows[mode, 2]["verify_ratio"] == {}
+        assert rows[mode, 2]["bound_step_ms"] > rows[mode, 1]["bound_step_ms"]  # batch 2 adds its sequences' K/V
+    assert rows["captured", 1]["note"].startswith("1 piecewise + 0 decode graphs")
+    for mode in ("captured+triton", "eager+triton"):
+        assert rows[mode, 1]["step_ms"] is None and "CUDA only" in rows[mode, 1]["note"]
