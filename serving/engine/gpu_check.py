@@ -19,8 +19,8 @@ CONTEXT_MIX), it measures:
 Only the buckets the rows use are compiled (decode at 1, 16, 64 rows captured whole; the verify steps' piecewise
 buckets), and captured+triton reuses the captured mode's piecewise graphs, recapturing only the decode graphs. It
 prints one table and writes JSON (`--json`). A time budget (`--budget-s`) skips what is left, saying so, rather than
-run past it: a captured mode starts only if its graphs fit the time left at the rate the last ones took. `make gpu-
-check` runs it; `--dry-run` runs the same code on a tiny model on CPU (the captured mode traced with the eager
+run past it: a captured mode starts only if its graphs fit the time left at the rate the last ones took. `make
+gpu-check` runs it; `--dry-run` runs the same code on a tiny model on CPU (the captured mode traced with the eager
 backend; the Triton modes refused there, their rows saying so), which the tests do so that the script is known to
 run before a card is lent.
 """
@@ -255,12 +255,16 @@ def end_to_end(engine: Any, contexts: list[int], steps: int, vocab: int) -> tupl
     return step_ms, kernels
 
 
+_BLOCK_SIZE = 16  # tokens per KV cache block, the engine's default
+
+
 def make_engine(model: Any, plan: Plan, num_blocks: int) -> Any:
     from serving.engine.config import EngineConfig
     from serving.engine.engine import LLMEngine
 
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[plan.dtype]
-    config = EngineConfig(model="random-weights", device=plan.device, dtype=dtype, max_num_seqs=max(plan.batches),
+    config = EngineConfig(model="random-weights", device=plan.device, dtype=dtype, kv_block_size=_BLOCK_SIZE,
+                          max_num_seqs=max(plan.batches),
                           max_model_len=plan.max_model_len, max_num_batched_tokens=2048, enable_prefix_caching=False,
                           compile="off", cpu_weight_packing="off", cpu_decode_attention="off")
     return LLMEngine(model, config, num_blocks)
@@ -344,8 +348,7 @@ def measure_model(name: str, plan: Plan, bandwidth: float, deadline: float, log:
     weights = step_weight_bytes(model)
     element = torch.empty((), dtype=plan.dtype).element_size()
     widest = batch_contexts(max(plan.batches), plan.contexts)
-    block_size = 16
-    num_blocks = sum(-(-(c + max(plan.ks) + plan.steps + 80) // block_size) for c in widest) + 16
+    num_blocks = sum(-(-(c + max(plan.ks) + plan.steps + 80) // _BLOCK_SIZE) for c in widest) + 16
     engine = make_engine(model, plan, num_blocks)
     log(f"{name}: {parameter_count(shape) / 1e9:.2f}B parameters built in {time.perf_counter() - started:.1f} s")
     piecewise = None  # the captured mode's CompiledForward: its piecewise graphs serve captured+triton too
@@ -383,6 +386,10 @@ def measure_model(name: str, plan: Plan, bandwidth: float, deadline: float, log:
                     row.verify_ratio[k] = forward_ms(engine, contexts, k + 1, plan.repeats) / row.forward_ms
             row.step_ms, row.kernels_per_step = end_to_end(engine, contexts, plan.steps, model.args.vocab_size)
             row.tokens_per_s = 1e3 * batch / row.step_ms
+            if compiled is not None:  # a graph whose guards refused a step ran eagerly from then on: say so
+                lost = ([f"piecewise {b}" for b in verify if b not in compiled.graphs]
+                        + [f"decode {b}" for b in decode if compiled.whole_decode and b not in compiled.decode_graphs])
+                row.note += f"; refused while running: {', '.join(lost)}" if lost else ""
             log(format_row(row))
     engine.compiled = None
     engine.close()

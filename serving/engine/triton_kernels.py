@@ -144,10 +144,12 @@ def _merge_splits(
     row_ok = rows < N_REP * MAX_Q
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    splits = tl.arange(0, NUM_SPLITS)
     base = (g * N_KV + h) * NUM_SPLITS
-    lse = tl.load(lse_part_ptr + (base + splits)[:, None] * BLOCK_M + rows[None, :])  # [S, BLOCK_M]
-    top = _row_max(lse, 0)  # [BLOCK_M]
+    # the rows' largest log-sum-exp first, then the splits' outputs one at a time (a [splits, rows, dims] tile
+    # of all of them would not fit in registers at batch 1, where a row has up to 64 splits)
+    top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for split in range(NUM_SPLITS):
+        top = tl.maximum(top, tl.load(lse_part_ptr + (base + split) * BLOCK_M + rows))
     if HAS_NEW:  # the row's own key, not in the cache: one more split whose output is its value
         q = tl.load(q_ptr + (g * MAX_Q + qi)[:, None] * stride_qt + (h * N_REP + rep)[:, None] * stride_qh
                     + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
@@ -156,11 +158,13 @@ def _merge_splits(
         s_new = _row_sum(q * k_new[None, :], 1) * scale  # [BLOCK_M]
         top = tl.maximum(top, s_new)
     top_safe = tl.where(top == float("-inf"), 0.0, top)
-    w = tl.exp(lse - top_safe[None, :])  # [S, BLOCK_M]; 0 for a split that saw no key
-    o = tl.load(o_part_ptr + ((base + splits)[:, None, None] * BLOCK_M + rows[None, :, None]) * BLOCK_D
-                + d[None, None, :])  # [S, BLOCK_M, BLOCK_D]
-    total = _row_sum(w[:, :, None] * o, 0)  # [BLOCK_M, BLOCK_D]
-    weight = _row_sum(w, 0)
+    total = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+    weight = tl.full([BLOCK_M], 0.0, tl.float32)
+    for split in range(NUM_SPLITS):
+        w = tl.exp(tl.load(lse_part_ptr + (base + split) * BLOCK_M + rows) - top_safe)  # 0: a split that saw nothing
+        o = tl.load(o_part_ptr + ((base + split) * BLOCK_M + rows[:, None]) * BLOCK_D + d[None, :])
+        total += w[:, None] * o
+        weight += w
     if HAS_NEW:
         w_new = tl.exp(s_new - top_safe)
         total += w_new[:, None] * v_new[None, :]
