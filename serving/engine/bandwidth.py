@@ -27,26 +27,10 @@ import torch
 
 from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine
+from serving.engine.gpu_check import ONE_B, copy_bandwidth
 from serving.engine.quant import weight_bytes
 from serving.engine.step_profile import profile_steps
 from serving.engine.types import GenerationRequest, SamplingParams
-
-# ~1.1B parameters: TinyLlama-like shape.
-ONE_B: dict[str, Any] = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-             num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048)
-
-
-def copy_bandwidth(num_bytes: int = 2 << 30, repeats: int = 20) -> float:
-    """Bytes moved per second by a device-to-device copy (each copy reads and writes num_bytes)."""
-    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    return 2 * num_bytes * repeats / (time.perf_counter() - start)
 
 
 def build_random_model(directory: Path) -> int:
@@ -223,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.write(f"bandwidth: bad --configs entry {':'.join(config)!r}: want compile:quantization, "
                              "e.g. on:none or off:int8\n")
             return 2
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth(torch.device("cuda"), 2 << 30)
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         params = build_random_model(Path(tmp))
