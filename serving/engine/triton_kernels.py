@@ -132,7 +132,8 @@ def _paged_attention_split(
 
 @triton.jit
 def _merge_splits(
-    o_part_ptr, lse_part_ptr, q_ptr, k_new_ptr, v_new_ptr, out_ptr, stride_qt, stride_qh, stride_ot, scale,
+    o_part_ptr, lse_part_ptr, q_ptr, k_new_ptr, v_new_ptr, out_ptr, stride_qt, stride_qh, stride_kn, stride_vn,
+    stride_ot, scale,
     N_KV: tl.constexpr, N_REP: tl.constexpr, MAX_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_NEW: tl.constexpr,
 ):
@@ -153,8 +154,8 @@ def _merge_splits(
     if HAS_NEW:  # the row's own key, not in the cache: one more split whose output is its value
         q = tl.load(q_ptr + (g * MAX_Q + qi)[:, None] * stride_qt + (h * N_REP + rep)[:, None] * stride_qh
                     + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        k_new = tl.load(k_new_ptr + (g * N_KV + h) * HEAD_DIM + d, mask=d_ok, other=0.0).to(tl.float32)
-        v_new = tl.load(v_new_ptr + (g * N_KV + h) * HEAD_DIM + d, mask=d_ok, other=0.0).to(tl.float32)
+        k_new = tl.load(k_new_ptr + g * stride_kn + h * HEAD_DIM + d, mask=d_ok, other=0.0).to(tl.float32)
+        v_new = tl.load(v_new_ptr + g * stride_vn + h * HEAD_DIM + d, mask=d_ok, other=0.0).to(tl.float32)
         s_new = _row_sum(q * k_new[None, :], 1) * scale  # [BLOCK_M]
         top = tl.maximum(top, s_new)
     top_safe = tl.where(top == float("-inf"), 0.0, top)
@@ -174,6 +175,11 @@ def _merge_splits(
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
+def _dense_heads(t: torch.Tensor) -> torch.Tensor:
+    """[rows, heads, D] with heads D apart and dims adjacent (any row stride), copied only when it is not."""
+    return t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous()
+
+
 def paged_decode_attention(
     q_pad: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, block_tables: torch.Tensor,
     q_start: torch.Tensor, seq_lens: torch.Tensor, n_rep: int, scale: float,
@@ -189,7 +195,11 @@ def paged_decode_attention(
     g, b = block_tables.shape
     num_blocks, block_size, hkv, d = k_blocks.shape
     max_q = q_pad.shape[0] // g
-    q_pad = q_pad.contiguous()
+    # q, k_new, v_new are views of the fused qkv projection's rows: read in place where heads and dims are dense
+    q_pad = _dense_heads(q_pad)
+    has_new = k_new is not None
+    k_new = _dense_heads(k_new) if k_new is not None else q_pad  # without a new key: any tensor, never read
+    v_new = _dense_heads(v_new) if v_new is not None else q_pad
     block_m = max(16, _next_pow2(n_rep * max_q))
     block_d = max(16, _next_pow2(d))
     splits = splits or num_splits(g, hkv, b)
@@ -205,12 +215,10 @@ def paged_decode_attention(
         NUM_SPLITS=splits, IEEE=q_pad.dtype == torch.float32,
     )
     out = torch.empty(g * max_q, hkv * n_rep * d, dtype=q_pad.dtype, device=q_pad.device)
-    has_new = k_new is not None
     _merge_splits[(g, hkv)](
-        o_part, lse_part, q_pad, k_new.contiguous() if k_new is not None else q_pad,
-        v_new.contiguous() if v_new is not None else q_pad, out, q_pad.stride(0), q_pad.stride(1), out.stride(0),
-        scale, N_KV=hkv, N_REP=n_rep, MAX_Q=max_q, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m,
-        NUM_SPLITS=splits, HAS_NEW=has_new,
+        o_part, lse_part, q_pad, k_new, v_new, out, q_pad.stride(0), q_pad.stride(1), k_new.stride(0),
+        v_new.stride(0), out.stride(0), scale, N_KV=hkv, N_REP=n_rep, MAX_Q=max_q, HEAD_DIM=d, BLOCK_D=block_d,
+        BLOCK_M=block_m, NUM_SPLITS=splits, HAS_NEW=has_new,
     )
     return out
 

@@ -124,9 +124,8 @@ def test_decode_with_new_key_equals_float64_reference(tk: ModuleType, dtype: tor
     gen = torch.Generator().manual_seed(4)
     tables = torch.tensor([[4, 2, 0, 0], [7, 0, 0, 0], [1, 3, 5, 9]], dtype=torch.int32)  # captured: int32, W wide
     ctx = torch.tensor([20, 0, 63])
-    q = torch.randn(3, hkv * rep, d, generator=gen).to(dtype)
-    k_new = torch.randn(3, hkv, d, generator=gen).to(dtype)
-    v_new = torch.randn(3, hkv, d, generator=gen).to(dtype)
+    qkv = torch.randn(3, hkv * rep + 2 * hkv, d, generator=gen).to(dtype)  # the fused projection's rows
+    q, k_new, v_new = qkv[:, : hkv * rep], qkv[:, hkv * rep : -hkv], qkv[:, -hkv:]  # views, read in place
     got = tk.decode_with_new_key(q, k_new, v_new, k, v, tables, ctx, d**-0.5)
     want = reference_attention(q, k, v, tables.long(), ctx, ctx, [1, 1, 1], d**-0.5, k_new, v_new)
     assert got.dtype == dtype
