@@ -101,6 +101,10 @@ def batch_contexts(batch: int, mix: tuple[int, ...] = CONTEXT_MIX) -> list[int]:
     return [mix[i % len(mix)] for i in range(batch)]
 
 
+def mean_context(batch: int, plan: Plan) -> int:
+    return round(sum(batch_contexts(batch, plan.contexts)) / batch)
+
+
 def model_args(shape: dict[str, Any]) -> Any:
     from serving.engine.model import ModelArgs
 
@@ -239,8 +243,12 @@ def end_to_end(engine: Any, contexts: list[int], steps: int, vocab: int) -> tupl
     for rid, ctx in zip(ids, contexts, strict=True):
         engine.add_request(GenerationRequest(rid, torch.randint(0, vocab, (ctx,), generator=gen).tolist(), params))
     decoding: set[str] = set()
-    while len(decoding) < len(ids):  # prefill (chunked) until every request has its first token
+    for _ in range(sum(contexts) + 100):  # prefill (chunked) until every request has its first token
+        if len(decoding) == len(ids):
+            break
         decoding.update(out.request_id for out in engine.step() if out.new_token_ids)
+    else:
+        raise RuntimeError(f"only {len(decoding)} of {len(ids)} requests reached decoding")
     for _ in range(3):  # warm: every step from here is a decode step of the whole batch
         engine.step()
     _sync(engine.device)
@@ -358,13 +366,15 @@ def measure_model(name: str, plan: Plan, bandwidth: float, deadline: float, log:
         graphs = (len(decode) + (0 if piecewise is not None and mode == "captured+triton" else len(verify))
                   if mode.startswith("captured") and plan.device == "cuda" else 0)
         if time.perf_counter() + graphs * graph_s > deadline:
-            rows += [Row(name, mode, b, 0, note="skipped: over the time budget") for b in plan.batches]
+            rows += [Row(name, mode, b, mean_context(b, plan), note="skipped: over the time budget")
+                     for b in plan.batches]
             continue
         started = time.perf_counter()
         try:
             compiled = set_mode(engine, mode, plan, piecewise if mode == "captured+triton" else None)
         except Exception as exc:  # a mode that cannot run here says why in its rows; the others still run
-            rows += [Row(name, mode, b, 0, note=f"{type(exc).__name__}: {exc}"[:200]) for b in plan.batches]
+            rows += [Row(name, mode, b, mean_context(b, plan), note=f"{type(exc).__name__}: {exc}"[:200])
+                     for b in plan.batches]
             continue
         note = ""
         if compiled is not None:
@@ -374,7 +384,7 @@ def measure_model(name: str, plan: Plan, bandwidth: float, deadline: float, log:
             piecewise = compiled if mode == "captured" else piecewise
         for batch in plan.batches:
             contexts = batch_contexts(batch, plan.contexts)
-            row = Row(name, mode, batch, round(sum(contexts) / batch), note=note)
+            row = Row(name, mode, batch, mean_context(batch, plan), note=note)
             rows.append(row)
             if time.perf_counter() > deadline:
                 row.note = "skipped: over the time budget"
