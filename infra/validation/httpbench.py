@@ -303,7 +303,8 @@ def run_plain(target: Path, draft: Path, concurrency: Sequence[int], output_len:
 
 def run_matrix(target: Path, draft: Path, concurrency: Sequence[int], output_len: int, num_prompts: int,
                repeats: int, dtypes: Sequence[str], ks: Sequence[int], workdir: Path,
-               say: Any = print) -> HttpBenchReport:
+               say: Any = print, only: Sequence[str] = ()) -> HttpBenchReport:
+    """only: run just the variants whose name (e.g. "draft k=12 map=none dtype=fp32") contains one of these."""
     prompts = held_out_prompts(num_prompts)
     report = HttpBenchReport(str(target), str(draft), output_len, num_prompts,
                              server_config(target, draft, Variant("base"), 0, output_len))
@@ -314,6 +315,8 @@ def run_matrix(target: Path, draft: Path, concurrency: Sequence[int], output_len
             report.off_decisions[dtype] = decisions
             for variant in matrix_variants(ks):
                 variant = Variant(f"{variant.name} dtype={dtype}", model=model, speculative=variant.speculative)
+                if only and not any(part in variant.name for part in only):
+                    continue
                 say(f"{variant.name} ...")
                 with serving(workdir, target, draft, variant, output_len) as (on, on_decisions):
                     result = VariantResult(variant, on_decisions)

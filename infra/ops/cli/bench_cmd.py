@@ -183,6 +183,9 @@ def register(subparsers: Any) -> None:
                       help="c=1: rounds over the prompts; c>1: closed-loop runs per side, the best counts (default 2)")
     http.add_argument("--dtypes", default="fp32,bf16", help="--matrix: model.dtype values (default fp32,bf16)")
     http.add_argument("--ks", default="4,8,12", help="--matrix: speculative.num_draft_tokens values (default 4,8,12)")
+    http.add_argument("--only", action="append", default=[], metavar="TEXT",
+                      help="--matrix: only the rows whose name contains TEXT (repeatable), e.g. "
+                           "--only 'draft k=12 map=none dtype=fp32'")
     http.add_argument("--threads-check", action="store_true",
                       help="also spec-off c=1 with every explicit model.num_threads 1..cores against auto")
     http.add_argument("--workdir", type=Path, help="keep the servers' configs and logs here (default: a temp dir)")
@@ -319,7 +322,7 @@ def _bench_http(args: argparse.Namespace) -> int:
         if args.matrix:
             report = httpbench.run_matrix(target, draft, concurrency, args.output_len, args.prompts,
                                           max(args.repeats, 1), [d for d in args.dtypes.split(",") if d],
-                                          _concurrencies(args.ks), Path(workdir), say)
+                                          _concurrencies(args.ks), Path(workdir), say, args.only)
         else:
             report = httpbench.run_plain(target, draft, concurrency, args.output_len, args.prompts,
                                          max(args.repeats, 1), args.threads_check, Path(workdir), say)
