@@ -325,18 +325,18 @@ def capture(engine: Any, plan: Plan, piecewise_from: Any = None) -> Any:
 def set_mode(engine: Any, mode: str, plan: Plan, piecewise_from: Any) -> Any:
     """Put the model in a mode: its kernels, and for the captured modes its graphs. Returns the CompiledForward
     (None: eager)."""
-    from serving.engine.gpu_kernels import enable_triton_kernels
+    from serving.engine.gpu_kernels import disable_triton_kernels, enable_triton_kernels
 
     engine.compiled = None
     gc.collect()
     model = engine.model
     if mode == "eager+triton":
-        enable_triton_kernels(model, engine.block_size)
+        enable_triton_kernels(model, engine.block_size, engine.builder)
     elif mode == "captured+triton":
         # attention only: inside compiled graphs inductor already fuses the residual add with the norm
-        enable_triton_kernels(model, engine.block_size, norm=False)
+        enable_triton_kernels(model, engine.block_size, engine.builder, norm=False)
     else:
-        model.set_triton_kernels(None, None, None)
+        disable_triton_kernels(model, engine.builder)
     if mode.startswith("captured"):
         return capture(engine, plan, piecewise_from)
     return None

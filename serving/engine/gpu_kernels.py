@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from serving.engine.model import Transformer
+from serving.engine.batch import ForwardBatchBuilder
+from serving.engine.model import KERNEL_MAX_QUERY, Transformer
 
 _MAX_HEAD_DIM = 256
 
@@ -84,12 +85,25 @@ def _residual_rmsnorm_shape(x: torch.Tensor, residual: torch.Tensor, weight: tor
     return torch.empty_like(x), torch.empty_like(x)
 
 
-def enable_triton_kernels(model: Transformer, block_size: int, attention: bool = True, norm: bool = True) -> None:
+def enable_triton_kernels(model: Transformer, block_size: int, builder: ForwardBatchBuilder | None = None,
+                          attention: bool = True, norm: bool = True) -> None:
     """Put the Triton kernels on the model's CUDA path (before compile_steps, so the graphs capture them);
-    raises ValueError naming why where they cannot apply. attention/norm: which of them."""
+    raises ValueError naming why where they cannot apply. attention/norm: which of them. builder: the engine's
+    batch builder, whose decode and verify sequences then make one attention group whatever their contexts (the
+    kernel reads each sequence in place: the gather path's cap on a group's keys would cut a batch of 64 into
+    dozens of kernel calls per layer), as the CPU kernel's do."""
     why = triton_kernels_refusal(model.device, model.paged_attention, block_size, model.args.head_dim)
     if why is not None:
         raise ValueError(why)
     model.set_triton_kernels(paged_decode_attention_op if attention else None,
                              decode_with_new_key_op if attention else None,
                              residual_rmsnorm_op if norm else None)
+    if builder is not None:
+        builder.in_place_max_q = KERNEL_MAX_QUERY if attention else 0
+
+
+def disable_triton_kernels(model: Transformer, builder: ForwardBatchBuilder | None = None) -> None:
+    """The model's default CUDA path again (FlexAttention, the norm apart); recompile its graphs after this."""
+    model.set_triton_kernels(None, None, None)
+    if builder is not None:
+        builder.in_place_max_q = 0

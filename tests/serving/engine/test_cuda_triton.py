@@ -26,10 +26,12 @@ SETTINGS = {"device": "cuda", "dtype": "fp32", "max_num_seqs": 4, "max_num_batch
 def _with_kernels(kit: Any, llama_dir: Path, compile_mode: str, **overrides: Any) -> Any:
     """An engine with the Triton kernels; compile_mode: off (eager), whole (decode captured whole), piecewise."""
     from serving.engine.gpu_kernels import decode_with_new_key_op, enable_triton_kernels
+    from serving.engine.model import KERNEL_MAX_QUERY
 
     engine = kit.make_engine(llama_dir, **{**SETTINGS, **overrides})
-    enable_triton_kernels(engine.model, engine.block_size)
+    enable_triton_kernels(engine.model, engine.block_size, engine.builder)
     assert engine.model.captured_decode_kernel is decode_with_new_key_op
+    assert engine.builder.in_place_max_q == KERNEL_MAX_QUERY  # decode and verify sequences: one group
     if compile_mode != "off":
         engine.compile_steps(whole_decode=compile_mode == "whole")
     return engine

@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from serving.engine.batch import SequenceInput, build_forward_batch
+from serving.engine.batch import ForwardBatchBuilder, SequenceInput, build_forward_batch
 from serving.engine.gpu_kernels import enable_triton_kernels, triton_kernels_refusal
+from serving.engine.model import KERNEL_MAX_QUERY
 
 # Triton comes with xgrammar in the development environment and with CUDA torch on a GPU host
 pytest.importorskip("triton", reason="Triton is not installed here")
@@ -252,6 +253,9 @@ def test_model_dispatch_reaches_the_kernels(tk: ModuleType, llama_dir: Path, kit
 
     plain, fused = kit.PagedRunner(llama_dir), kit.PagedRunner(llama_dir)
     fused.model.set_triton_kernels(attention, tk.decode_with_new_key, norm)
+    # as enable_triton_kernels sets the engine's builder: decode and verify sequences make one group
+    builder = ForwardBatchBuilder(16, fused.model.args.n_rep, fused.device)
+    builder.in_place_max_q = KERNEL_MAX_QUERY
     steps = _steps(kit, plain)
     _steps(kit, fused)
     layers = plain.model.args.n_layers
@@ -260,11 +264,12 @@ def test_model_dispatch_reaches_the_kernels(tk: ModuleType, llama_dir: Path, kit
         for runner in (plain, fused):
             # prefill runs gather + SDPA in both; decode and verify steps of `fused` take the kernel
             runner.model.set_paged_attention(runner is fused and i > 0)
-            batch = build_forward_batch(seqs, 16, runner.model.args.n_rep, runner.device)
+            batch = (builder.build(seqs) if runner is fused else
+                     build_forward_batch(seqs, 16, runner.model.args.n_rep, runner.device))
             with torch.inference_mode():
                 logits.append(runner.model.compute_logits(runner.model(batch, runner.cache), batch.logits_index))
         torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
-    assert calls == {"attention": 2 * layers, "norm": 3 * layers}
+    assert calls == {"attention": 2 * layers, "norm": 3 * layers}  # one group per decode and verify step
 
 
 def test_captured_decode_step_through_the_kernel_equals_the_eager_step(tk: ModuleType, llama_dir: Path,
