@@ -447,7 +447,7 @@ def parse_args(argv: list[str] | None) -> tuple[Plan, Path | None]:
     parser.add_argument("--ks", default=",".join(map(str, VERIFY_KS)), help="verify drafts (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=32, help="timed engine steps per row (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=20, help="timed forwards per figure (default: %(default)s)")
-    parser.add_argument("--budget-s", type=float, default=450.0,
+    parser.add_argument("--budget-s", type=float, default=420.0,
                         help="skip what is left after this many seconds (default: %(default)s)")
     parser.add_argument("--json", type=Path, default=None,
                         help="write the rows here (default: reports/gpu-check-TIME.json)")
