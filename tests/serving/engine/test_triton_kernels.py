@@ -280,9 +280,15 @@ def test_captured_decode_step_through_the_kernel_equals_the_eager_step(tk: Modul
     model = runner.model
     prefill, decode = _steps(kit, runner)[:2]
     n_rep = model.args.n_rep
+    layers_called: list[int] = []
+
+    def kernel(*args: Any) -> torch.Tensor:
+        layers_called.append(1)
+        return tk.decode_with_new_key(*args)  # type: ignore[no-any-return]
+
     with torch.inference_mode():
         model(build_forward_batch(prefill, 16, n_rep, runner.device), runner.cache)
-        model.set_triton_kernels(None, tk.decode_with_new_key, None)
+        model.set_triton_kernels(None, kernel, None)
         tables = torch.zeros(2, 8, dtype=torch.int32)  # padded to a static width, as DecodeGraph does
         for row, seq in enumerate(decode):
             tables[row, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
@@ -292,6 +298,7 @@ def test_captured_decode_step_through_the_kernel_equals_the_eager_step(tk: Modul
         model.set_triton_kernels(None, None, None)
         batch = build_forward_batch(decode, 16, n_rep, runner.device)
         want = model(batch, runner.cache)  # writes the step's K/V into the cache
+    assert len(layers_called) == model.args.n_layers  # every layer attended through the kernel
     order = [0, 1] if batch.positions.tolist() == ctx.tolist() else [1, 0]  # flat-row order of the eager batch
     torch.testing.assert_close(hidden[order], want, atol=1e-5, rtol=1e-5)
     slots, layers = batch.slot_mapping, model.args.n_layers
@@ -355,3 +362,23 @@ def test_compiled_residual_rmsnorm_on_cuda_rounds_as_the_model() -> None:
         want = norm(x + residual)
     torch.testing.assert_close(normed.float(), want.float(), atol=1e-6, rtol=2**-7)
     assert (normed != want).float().mean().item() < 0.01
+
+
+def test_the_ops_torch_compile_traces_have_the_kernels_shapes() -> None:
+    """torch.compile traces the kernels as custom ops through their fake implementations (the captured decode
+    graph and the compiled steps): shapes and dtypes as the kernels return them, with no kernel run."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q_pad = torch.empty(6, 8, 16, dtype=torch.bfloat16)
+        k = torch.empty(10, 16, 2, 16, dtype=torch.bfloat16)
+        tables, lens = torch.empty(2, 4, dtype=torch.long), torch.empty(2, dtype=torch.long)
+        out = torch.ops.specdeploy.paged_decode_attention(q_pad, k, k, tables, lens, lens, 4, 0.25)
+        assert (out.shape, out.dtype) == ((6, 128), torch.bfloat16)
+        q, new = torch.empty(3, 8, 16), torch.empty(3, 2, 16)
+        out = torch.ops.specdeploy.decode_with_new_key(q, new, new, k.float(), k.float(), tables[:, :3].int(),
+                                                      lens[:1].expand(3), 0.25)
+        assert out.shape == (3, 128)
+        x = torch.empty(5, 64, dtype=torch.bfloat16)
+        normed, h = torch.ops.specdeploy.residual_rmsnorm(x, x, torch.empty(64, dtype=torch.bfloat16), 1e-5)
+        assert normed.shape == h.shape == (5, 64) and normed.dtype == h.dtype == torch.bfloat16
