@@ -7,13 +7,12 @@ a choice that the model prices at +5 % can run at -10 %. The guard checks the ch
 
 It times engine *cycles*: from one proposal to the next, which holds the drafting for a step, the step that
 verifies it, and whatever runs between steps. A cycle drafted (some sequence got k > 0) or it did not. Cycles are
-kept apart by how many requests run (half-octave buckets: 1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64 ...) and by
-whether their step also prefills (requests waiting or part-way through their prompt when the cycle is planned):
-steps that prefill are where the draft catches up on new prompts (a wave of 64 requests with 300-token prompts
-is ~19,000 draft tokens) and where verify tokens compete with prompt chunks for the step's budget, so they are
-judged on their own. Per bucket the guard keeps the tokens per second of drafting and of plain cycles (decayed
-sums of tokens and seconds over about the last fifty of each kind: several requests' worth at low load, so
-that one prompt the draft guesses badly does not decide). Cycles that preempted a request are left out. Then:
+kept apart by how many requests run (half-octave buckets: 1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64 ...), and per
+bucket the guard keeps the tokens per second of drafting and of plain cycles (decayed sums of tokens and
+seconds over about the last fifty of each kind: several requests' worth at low load, so that one prompt the
+draft guesses badly does not decide). A cycle whose step also carried prefill tokens or preempted a request has
+no rate to compare; where it drafted, what its proposal took (the draft's catch-up on new prompts above all) is
+added to the bucket's drafting seconds all the same. Then:
 
 - a bucket with too few plain cycles gets one now and then (every 4th cycle until there are MIN_SAMPLES, then
   one every REFRESH_NEAR cycles so that the figure follows the load): the policy is not consulted for that
@@ -42,9 +41,9 @@ REFRESH_NEAR, REFRESH_FAR = 48, 400  # ...else every REFRESH_NEAR
 PROBE_EVERY, PROBE_CYCLES = 128, 16  # while vetoed: a probe of this many drafting cycles every PROBE_EVERY
 
 
-def bucket(num_running: int, mixed: bool = False) -> tuple[int, bool]:
-    """Half-octave bucket of the number of running requests, and whether the step also prefills."""
-    return int(round(2 * math.log2(max(num_running, 1)))), mixed
+def bucket(num_running: int) -> int:
+    """Half-octave bucket of the number of running requests."""
+    return int(round(2 * math.log2(max(num_running, 1))))
 
 
 @dataclass
@@ -82,14 +81,14 @@ class Bucket:
 
 @dataclass
 class SpeculationGuard:
-    buckets: dict[tuple[int, bool], Bucket] = field(default_factory=dict)
+    buckets: dict[int, Bucket] = field(default_factory=dict)
     vetoes_total: int = 0  # buckets turned off (a bucket that turns off, on and off again counts twice)
     forced_plain_total: int = 0  # cycles set to k = 0 to measure plain decoding
     vetoed_cycles_total: int = 0  # cycles set to k = 0 by a veto
 
-    def observe(self, num_running: int, drafted: bool, tokens: int, seconds: float, mixed: bool = False) -> None:
-        """One cycle with num_running requests (mixed: its step also prefilled): tokens emitted in `seconds`."""
-        b = self.buckets.setdefault(bucket(num_running, mixed), Bucket())
+    def observe(self, num_running: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """One clean cycle (no prefill, no preemption) with num_running requests: tokens emitted in `seconds`."""
+        b = self.buckets.setdefault(bucket(num_running), Bucket())
         (b.drafting if drafted else b.plain).observe(tokens, seconds)
         ratio = b.ratio()
         if ratio is None:
@@ -97,17 +96,25 @@ class SpeculationGuard:
         if not b.vetoed and ratio < VETO_BELOW:
             b.vetoed = True
             self.vetoes_total += 1
-            log.info("speculation off at ~%d running requests%s: drafting cycles %.0f tokens/s, plain %.0f",
-                     num_running, " in steps that prefill" if mixed else "", b.drafting.per_second, b.plain.per_second)
+            log.info("speculation off at ~%d running requests: drafting cycles %.0f tokens/s, plain %.0f",
+                     num_running, b.drafting.per_second, b.plain.per_second)
         elif b.vetoed and drafted and b.drafting.samples >= MIN_SAMPLES and ratio >= LIFT_AT:  # a probe's
             b.vetoed, b.probing = False, 0
-            log.info("speculation back on at ~%d running requests%s: drafting cycles %.0f tokens/s, plain %.0f",
-                     num_running, " in steps that prefill" if mixed else "", b.drafting.per_second, b.plain.per_second)
+            log.info("speculation back on at ~%d running requests: drafting cycles %.0f tokens/s, plain %.0f",
+                     num_running, b.drafting.per_second, b.plain.per_second)
 
-    def allows_drafting(self, num_running: int, mixed: bool = False) -> bool:
+    def charge(self, num_running: int, seconds: float) -> None:
+        """What a drafting cycle's proposal took (the policy, the draft's catch-ups and forwards) where its step
+        also prefilled, so that it has no rate to compare: charged to the bucket's drafting time. A wave of new
+        requests runs mostly in such steps, and the draft's catch-up on each new prompt, which only drafting
+        pays, would otherwise never be seen (at 64 sequences of 300-token prompts: ~19,000 draft tokens a wave)."""
+        b = self.buckets.setdefault(bucket(num_running), Bucket())
+        b.drafting.seconds += seconds
+
+    def allows_drafting(self, num_running: int) -> bool:
         """Whether the next cycle with num_running requests may draft (the policy then chooses k), or must run
         plain: every k = 0, and the policy not even consulted, so that a plain cycle costs what spec-off does."""
-        b = self.buckets.setdefault(bucket(num_running, mixed), Bucket())
+        b = self.buckets.setdefault(bucket(num_running), Bucket())
         b.cycles += 1
         b.plain.age += 1
         b.drafting.age += 1
@@ -130,9 +137,7 @@ class SpeculationGuard:
         return not due
 
     def describe(self) -> dict[str, object]:
-        """Per bucket ("12": ~64 requests, "12+prefill": the same in steps that also prefill): drafting and plain
-        tokens/s, their sample counts, and whether it is vetoed."""
-        return {f"{size}{'+prefill' if mixed else ''}": {
-            "drafting_tps": round(b.drafting.per_second, 1), "plain_tps": round(b.plain.per_second, 1),
-            "samples": [b.drafting.samples, b.plain.samples], "vetoed": b.vetoed}
-            for (size, mixed), b in sorted(self.buckets.items())}
+        """Per bucket: drafting and plain tokens/s, their sample counts, and whether it is vetoed."""
+        return {str(k): {"drafting_tps": round(b.drafting.per_second, 1), "plain_tps": round(b.plain.per_second, 1),
+                         "samples": [b.drafting.samples, b.plain.samples], "vetoed": b.vetoed}
+                for k, b in sorted(self.buckets.items())}

@@ -52,9 +52,9 @@ class Speculator:
         self._bookkeeping_seconds = 0.0  # this step's after_update, charged with the next proposals
         # adaptive: the policy's choices held against the clock (guard.py); a fixed k is what the operator asked for
         self.guard = SpeculationGuard() if config.adaptive else None
-        # the cycle under way: (start, running requests, drafted, its step also prefills)
-        self._cycle: tuple[float, int, bool, bool] | None = None
-        self._cycle_tokens: int | None = None  # tokens its step emitted; None where it preempted
+        self._cycle: tuple[float, int, bool] | None = None  # the cycle under way: (start, running, drafted)
+        self._cycle_tokens: int | None = None  # tokens its step emitted; None where it also prefilled or preempted
+        self._cycle_drafting_s = 0.0  # what its proposal took (the policy, catch-ups, draft forwards)
         # called with SpeculationPolicy.describe() of every choice when set (bench spec --trace-policy)
         self.trace: Callable[[dict[str, object]], None] | None = None
 
@@ -63,9 +63,12 @@ class Speculator:
     def propose_next(self, scheduler: Scheduler) -> None:
         """Give every decoding request that may speculate its draft tokens for the next step."""
         started = time.perf_counter()
-        if self.guard is not None and self._cycle is not None and self._cycle_tokens is not None:
-            cycle_start, running, drafted, mixed = self._cycle
-            self.guard.observe(running, drafted, self._cycle_tokens, started - cycle_start, mixed)
+        if self.guard is not None and self._cycle is not None:
+            cycle_start, running, drafted = self._cycle
+            if self._cycle_tokens is not None:
+                self.guard.observe(running, drafted, self._cycle_tokens, started - cycle_start)
+            elif drafted:  # its step also prefilled: no rate to compare, but what the drafting cost counts
+                self.guard.charge(running, self._cycle_drafting_s)
         self._cycle = None
         decoding = [r for r in scheduler.running if r.num_computed_tokens == r.num_tokens - 1 and not r.is_finished]
         candidates = {}
@@ -77,10 +80,9 @@ class Speculator:
                 candidates[req.request_id] = cap
         if not candidates:
             return
-        # the guard's buckets count every running request, and steps that also prefill apart (guard.py)
-        mixed = bool(scheduler.waiting) or len(decoding) < len(scheduler.running)
-        if self.guard is not None and not self.guard.allows_drafting(len(scheduler.running), mixed):
-            self._cycle = (started, len(scheduler.running), False, mixed)
+        # the guard's buckets count every running request: a wave of new requests is priced where it will decode
+        if self.guard is not None and not self.guard.allows_drafting(len(scheduler.running)):
+            self._cycle = (started, len(scheduler.running), False)
             return
         by_id = {r.request_id: r for r in decoding}
         alone = len(candidates) == 1
@@ -95,7 +97,7 @@ class Speculator:
         early = {rid for rid in candidates if by_id[rid].num_output_tokens < EARLY_OUTPUTS}
         ks = self.policy.choose(candidates, len(decoding), catch_up, flat, lags, early)
         if self.guard is not None:
-            self._cycle = (started, len(scheduler.running), any(k > 0 for k in ks.values()), mixed)
+            self._cycle = (started, len(scheduler.running), any(k > 0 for k in ks.values()))
         speculating = [by_id[rid] for rid, k in ks.items() if k > 0]
         self._early = early
         proposed = self.proposer.propose(speculating, ks)
@@ -104,7 +106,8 @@ class Speculator:
             k = len(by_id[rid].spec_token_ids)
             self.stats.k_histogram[k] = self.stats.k_histogram.get(k, 0) + 1
         # the speculator's own work this step, less the drafting the policy prices by itself
-        work = self._bookkeeping_seconds + time.perf_counter() - started - proposed.priced_seconds
+        self._cycle_drafting_s = time.perf_counter() - started
+        work = self._bookkeeping_seconds + self._cycle_drafting_s - proposed.priced_seconds
         self.policy.observe_speculator_work(len(speculating), max(work, 0.0))
         if self.trace is not None:  # after the timing: a trace must not weigh on the speculator's own cost
             self.trace(self.policy.describe(candidates, len(decoding), catch_up, early, ks))
@@ -186,8 +189,10 @@ class Speculator:
                 self._record_verification(accepted, len(drafts))
                 verified.append((req.request_id, accepted, len(drafts), req.request_id in self._early))
         self.policy.observe_verifications(verified)  # before release() forgets the finished ones
-        # the guard's cycle counts unless the step preempted (its cost is the KV budget's, not speculation's)
-        self._cycle_tokens = None if sched.preempted_ids else sum(len(tokens) for tokens in sampled.values())
+        # the guard's cycle counts only if this step decoded and verified, nothing else
+        clean = not sched.preempted_ids and all(
+            n == 1 + len(sched.spec_token_ids.get(rid, [])) for rid, n in sched.num_scheduled_tokens.items())
+        self._cycle_tokens = sum(len(tokens) for tokens in sampled.values()) if clean else None
         for req in sched.scheduled:
             if req.is_finished:
                 self.release(req.request_id)
