@@ -44,9 +44,9 @@ def test_the_sampler_applies_the_adjustment_to_greedy_and_sampled_rows() -> None
     logits = torch.tensor([[5.0, 0.0, 0.0], [5.0, 0.0, 0.0]])
     params = [SamplingParams(temperature=0.0, frequency_penalty=2.0),
               SamplingParams(temperature=1.0, logit_bias={0: -100.0, 2: 100.0})]
-    gens = [torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)]
+    keys = [(0, 3), (1, 0)]  # each row's (seed, output position)
     # row 0 generated token 0 three times: 5 - 6 < 0, so token 1 (the first of the ties) wins
-    assert sample_requests(logits, params, gens, [[0, 0, 0], []]).tolist() == [1, 2]
+    assert sample_requests(logits, params, keys, [[0, 0, 0], []]).tolist() == [1, 2]
 
 
 @pytest.mark.parametrize("bad", [
