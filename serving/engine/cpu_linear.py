@@ -34,6 +34,7 @@ bench run (docs/benchmarks/log.md).
 from __future__ import annotations
 
 import logging
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -157,7 +158,7 @@ def choose(model: Transformer, name: str, mode: WeightPacking, reason_not: str |
         return seconds
 
     p, d = interleaved_medians([lambda: steps("packed"), dense_steps], _ROUNDS, _MIN_ROUNDS, _BUDGET_S)
-    pw, dw = (sorted(timings[k])[len(timings[k]) // 2] for k in ("packed", "dense"))
+    pw, dw = (statistics.median(timings[k]) for k in ("packed", "dense"))
     best, best_wide = min(p, d), min(pw, dw)
     keep = max(p / best, pw / best_wide) <= max(d / best, dw / best_wide) * _TOLERANCE
     if not keep:

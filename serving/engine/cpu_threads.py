@@ -17,6 +17,7 @@ import functools
 import logging
 import math
 import os
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,7 +108,8 @@ def choose(model: Transformer, setting: int | str, cores: int | None = None) -> 
         torch.set_num_threads(n)
         forward_seconds(model, context, 1, repeats=1)
     interleaved_medians([functools.partial(timed, n) for n in counts], _ROUNDS, _MIN_ROUNDS, _BUDGET_S)
-    medians = {n: (_median([s[0] for s in runs]), _median([s[1] for s in runs])) for n, runs in steps.items()}
+    medians = {n: (statistics.median(s[0] for s in runs), statistics.median(s[1] for s in runs))
+               for n, runs in steps.items()}
     best_narrow = min(m[0] for m in medians.values())
     best_wide = min(m[1] for m in medians.values())
     # the count whose worse shape is nearest its best; ties to fewer threads
@@ -116,8 +118,3 @@ def choose(model: Transformer, setting: int | str, cores: int | None = None) -> 
     timings = ", ".join(f"{n}: {medians[n][0] * 1e3:.2f}/{medians[n][1] * 1e3:.2f} ms" for n in counts)
     return ThreadsDecision(chosen, f"{cores} usable cores, one kept for the server; 1-/{_WIDE_STEP}-token steps by "
                                    f"threads {timings}", {n: (m[0] * 1e3, m[1] * 1e3) for n, m in medians.items()})
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
