@@ -17,9 +17,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("infra", "serving")
 PULUMI = ("pulumi", "pulumi_aws", "pulumi_kubernetes", "pulumi_policy")
-# Where Pulumi may be imported at module level: the program, its components, the policy pack, and
-# the preview (which runs the program under Pulumi's mocks).
-PULUMI_HOMES = ("infra/program/", "infra/components/", "infra/policy/", "infra/ops/preview.py")
+# Where Pulumi may be imported at module level: the program (its offline preview included, which
+# runs the program under Pulumi's mocks), its components and the policy pack.
+PULUMI_HOMES = ("infra/program/", "infra/components/", "infra/policy/")
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def rules_broken(path: str, imp: Import) -> list[str]:
     if in_infra and _within(imp.module, ("serving.engine", "serving.api")):
         broken.append("infra/ reaches the engine and the HTTP server only inside the serve/bench functions")
     if _within(imp.module, PULUMI) and not path.startswith(PULUMI_HOMES):
-        broken.append("Pulumi is imported at module level only by the program, components, policy and preview")
+        broken.append("Pulumi is imported at module level only by the program, components and policy")
     return broken
 
 
@@ -159,7 +159,7 @@ def test_the_checker_catches(path: str, source: str, rule: str) -> None:
 
 @pytest.mark.parametrize(("path", "source"), [
     ("infra/ops/cli/bench_cmd.py", "def run():\n    from serving.engine.benchmark import bench\n    import torch\n"),
-    ("infra/ops/preview.py", "import pulumi\n"),
+    ("infra/program/preview.py", "import pulumi\n"),
     ("infra/components/aws/x.py", "import pulumi_aws as aws\n"),
     ("infra/ops/x.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n"),
     ("infra/alerts.py", "from serving import metric_names\n"),

@@ -22,7 +22,7 @@ from pulumi_policy import (
     StackValidationPolicy,
 )
 
-from infra.ops.preview import RecordedResource
+from infra.program.preview import RecordedResource
 from infra.policy.aws_policies import POLICIES
 
 

@@ -1,4 +1,4 @@
-"""AWS stacks built under Pulumi's mocks engine (infra/ops/preview.py), shared by tests/infra.
+"""AWS stacks built under Pulumi's mocks engine (infra/program/preview.py), shared by tests/infra.
 
 ``aws_stack("prod")`` runs infra/__main__.py for stacks/Pulumi.prod.yaml and returns every
 registered resource with its inputs and mocked outputs (secrets masked) and the resolved
@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from infra.config import PROJECT, project_stacks_dir
-from infra.ops.preview import PreviewResult, record_in_runtime
+from infra.program.preview import PreviewResult, record_in_runtime
 
 AWS_STACKS = ("dev", "staging", "prod")
 

@@ -1,4 +1,4 @@
-"""A `pulumi up` simulated from two recordings of the program (infra/ops/preview.py).
+"""A `pulumi up` simulated from two recordings of the program (infra/program/preview.py).
 
 Pulumi compares each resource's new inputs with its state and updates the inputs that
 differ, except those in ``ignore_changes``. Without ``--refresh`` the state is what the
@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from infra.ops.preview import PreviewResult, RecordedResource
+from infra.program.preview import PreviewResult, RecordedResource
 
 LISTENER = "aws:lb/listener:Listener"
 ALARM = "aws:cloudwatch/metricAlarm:MetricAlarm"

@@ -19,7 +19,7 @@ from infra.components.aws.network import INTERFACE_ENDPOINTS
 from infra.components.aws.release_artifacts import missing_artifacts
 from infra.components.aws.user_data import PUBLISHED_GAUGES, PUBLISHED_HISTOGRAMS, decode_user_data
 from infra.config import load_stack, render_server_config
-from infra.ops.preview import PreviewResult
+from infra.program.preview import PreviewResult
 
 StackFn = Callable[[str], PreviewResult]
 STACKS = ("dev", "staging", "prod")

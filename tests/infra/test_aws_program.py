@@ -10,7 +10,7 @@ import pytest
 
 from infra.alerts import alert_rules
 from infra.config import load_stack
-from infra.ops.preview import PreviewResult, record_stack
+from infra.program.preview import PreviewResult, record_stack
 
 StackFn = Callable[[str], PreviewResult]
 STACKS = ("dev", "staging", "prod")

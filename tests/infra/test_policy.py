@@ -12,7 +12,7 @@ import pulumi
 import pytest
 
 from infra.components.aws.user_data import decode_user_data, encode_user_data
-from infra.ops.preview import PreviewResult
+from infra.program.preview import PreviewResult
 from infra.policy.aws_policies import POLICIES
 from infra.policy.offline import Violation, check, props_of, run_policy
 

@@ -1,6 +1,6 @@
 """No secret value appears unmarked: every recorded input, output, export and rendered file is scanned.
 
-The stack files' `secure:` values become recognisable placeholders (infra/ops/preview.py); the
+The stack files' `secure:` values become recognisable placeholders (infra/program/preview.py); the
 only place a placeholder may reach is a property that arrived marked secret (then it is
 masked in the record). The positive control proves the scan is not vacuous.
 """
@@ -15,7 +15,7 @@ import pytest
 
 from infra.components.aws.user_data import decode_user_data
 from infra.config import SECRET_MASK, load_stack
-from infra.ops.preview import PreviewResult, secret_placeholders
+from infra.program.preview import PreviewResult, secret_placeholders
 
 StackFn = Callable[[str], PreviewResult]
 STACKS = ("dev", "staging", "prod")
@@ -57,7 +57,7 @@ def test_the_secret_did_reach_its_one_place_marked(stack: str, aws_stack: StackF
 @pytest.mark.parametrize("stack", STACKS)
 @pulumi.runtime.test
 def test_preview_output_shows_no_secret(stack: str, aws_stack: StackFn) -> None:
-    from infra.ops.preview import render
+    from infra.program.preview import render
 
     text = render(aws_stack(stack))
     assert not [p for p in secret_placeholders(load_stack(stack)) if p in text]

@@ -11,8 +11,8 @@ import pulumi
 import pytest
 
 from infra.config import load_stack
-from infra.ops import preview
-from infra.ops.preview import PreviewResult
+from infra.program import preview
+from infra.program.preview import PreviewResult
 from tests.infra.conftest import write_variant
 from tests.infra.pulumi_up import LAUNCH_TEMPLATE, key, planned_updates
 

@@ -26,7 +26,7 @@ from infra.components.aws.user_data import (
     render_user_data,
 )
 from infra.config import load_stack, render_server_config
-from infra.ops.preview import PreviewResult
+from infra.program.preview import PreviewResult
 from serving import metric_names as m
 from serving.config import ServerConfig
 from serving.weights.__main__ import build_parser as weights_parser

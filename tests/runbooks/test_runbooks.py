@@ -55,7 +55,7 @@ def rendered_alarms() -> dict[str, list[tuple[str, str]]]:
     """(alarm name, runbook link) of every alarm as each platform renders it: CloudWatch alarms of
     stack prod (aws) and PrometheusRule rules of stack k8s-prod (kubernetes), offline."""
     from infra.ops.k8s_render import render_objects
-    from infra.ops.preview import record_stack
+    from infra.program.preview import record_stack
 
     aws = record_stack("prod")
     cloudwatch = []

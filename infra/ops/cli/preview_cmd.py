@@ -1,6 +1,6 @@
 """`specdeploy preview --stack NAME`: every resource the stack would create, offline.
 
-Runs infra/__main__.py under Pulumi's mocks engine (infra/ops/preview.py): no CLI, no
+Runs infra/__main__.py under Pulumi's mocks engine (infra/program/preview.py): no CLI, no
 cloud, no credentials. A review aid beside `pulumi preview --diff`, which shows the
 real diff against the deployed state.
 """
@@ -33,7 +33,7 @@ def register(subparsers: Any) -> None:
 def _preview(args: argparse.Namespace) -> int:
     from infra.capacity import CapacityError
     from infra.config import ConfigError, load_stack
-    from infra.ops.preview import record_stack, render
+    from infra.program.preview import record_stack, render
     from infra.policy.aws_policies import POLICIES
     from infra.policy.offline import check
 

@@ -11,7 +11,7 @@ import pytest
 from infra.alerts import alert_rules
 from infra.components.aws.alerting import COMPARISONS, Alerting, AlertingArgs
 from infra.config import PROJECT, load_stack
-from infra.ops.preview import PreviewResult, new_mocks
+from infra.program.preview import PreviewResult, new_mocks
 from serving import metric_names as m
 
 StackFn = Callable[[str], PreviewResult]

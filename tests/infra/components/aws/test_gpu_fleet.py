@@ -13,7 +13,7 @@ from infra.capacity import plan, weight_cache_gib
 from infra.components.aws.gpu_fleet import GpuFleetArgs
 from infra.components.aws.user_data import UserDataSpec, decode_user_data
 from infra.config import load_stack
-from infra.ops.preview import PreviewResult
+from infra.program.preview import PreviewResult
 from serving import metric_names as m
 
 StackFn = Callable[[str], PreviewResult]

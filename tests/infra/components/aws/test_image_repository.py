@@ -10,7 +10,7 @@ import pytest
 
 from infra.components.aws.image_repository import ImageRepository, ImageRepositoryArgs
 from infra.config import PROJECT
-from infra.ops.preview import PreviewResult, new_mocks
+from infra.program.preview import PreviewResult, new_mocks
 
 StackFn = Callable[[str], PreviewResult]
 REPO = "aws:ecr/repository:Repository"

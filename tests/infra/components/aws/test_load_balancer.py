@@ -10,7 +10,7 @@ import pytest
 
 from infra.components.aws.load_balancer import TLS_POLICY, LoadBalancer, LoadBalancerArgs
 from infra.config import PROJECT, load_stack
-from infra.ops.preview import ACCOUNT_ID, PreviewResult, new_mocks
+from infra.program.preview import ACCOUNT_ID, PreviewResult, new_mocks
 
 StackFn = Callable[[str], PreviewResult]
 ALB = "aws:lb/loadBalancer:LoadBalancer"

@@ -11,7 +11,7 @@ import pytest
 
 from infra.components.aws.model_store import ModelStore, ModelStoreArgs, split_s3_uri
 from infra.config import PROJECT, load_stack
-from infra.ops.preview import PreviewResult, new_mocks
+from infra.program.preview import PreviewResult, new_mocks
 
 STACKS = ("dev", "staging", "prod")
 StackFn = Callable[[str], PreviewResult]

@@ -9,7 +9,7 @@ import pytest
 
 from infra.components.aws.network import INTERFACE_ENDPOINTS, Network, NetworkArgs
 from infra.config import PROJECT
-from infra.ops.preview import PreviewResult, new_mocks
+from infra.program.preview import PreviewResult, new_mocks
 
 StackFn = Callable[[str], PreviewResult]
 VariantFn = Callable[..., PreviewResult]

@@ -14,7 +14,7 @@ import pytest
 from infra.alerts import TRAFFIC_RECORD
 from infra.config import load_stack
 from infra.ops.k8s_render import render_objects
-from infra.ops.preview import record_stack
+from infra.program.preview import record_stack
 
 CLOUDWATCH = {"GreaterThanThreshold": ">", "GreaterThanOrEqualToThreshold": ">=", "LessThanThreshold": "<"}
 

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from infra.ops.k8s_render import render_objects, write_manifests
-from infra.ops.preview import record_stack, secret_placeholders
+from infra.program.preview import record_stack, secret_placeholders
 
 STACKS = ("k8s-dev", "k8s-prod")
 VERSIONS = ("1.30.0", "1.33.0")

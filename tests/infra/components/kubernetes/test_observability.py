@@ -234,7 +234,7 @@ def test_the_traffic_rule_records_the_split_the_alerts_join_on(prod: Any) -> pul
 
 
 def test_the_traffic_rule_belongs_to_the_release_commands_once_created() -> None:
-    from infra.ops.preview import record_stack
+    from infra.program.preview import record_stack
 
     [traffic] = [r for r in record_stack("k8s-prod").resources
                  if r.custom and r.inputs.get("metadata", {}).get("name") == "specdeploy-traffic"]

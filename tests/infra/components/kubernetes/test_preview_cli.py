@@ -38,7 +38,7 @@ def test_stack_without_kubernetes_objects_is_an_error(tmp_path: Path) -> None:
     from infra.config import load_stack
     from infra.ops.cli.main import CommandError
     from infra.ops.cli.preview_cmd import _render_k8s
-    from infra.ops.preview import PreviewResult, RecordedResource
+    from infra.program.preview import PreviewResult, RecordedResource
 
     bucket = RecordedResource("aws:s3/bucket:Bucket", "models", "", {"bucket": "b"}, True)
     result = PreviewResult("dev", load_stack("dev").config, [bucket])

@@ -21,7 +21,7 @@ import pytest
 from infra.config import load_stack
 from infra.ops.cli import release_cmd
 from infra.ops.cli.main import build_parser
-from infra.ops.preview import PreviewResult, RecordedResource
+from infra.program.preview import PreviewResult, RecordedResource
 from infra.ops.release import targets
 
 SG = "aws:ec2/securityGroup:SecurityGroup"

@@ -18,7 +18,7 @@ import pytest
 from infra.ops.cli import release_cmd
 from infra.ops.cli.main import build_parser
 from infra.ops.k8s_render import render_objects
-from infra.ops.preview import PreviewResult
+from infra.program.preview import PreviewResult
 from infra.ops.release import kubernetes, targets
 from tests.infra.conftest import write_variant
 

@@ -38,7 +38,7 @@ def gateway_variant(text: str) -> str:
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     from infra.ops.k8s_render import render_objects
-    from infra.ops.preview import record_stack
+    from infra.program.preview import record_stack
 
     stacks = tmp_path_factory.mktemp("gateway-stacks")
     source = (project_stacks_dir() / "Pulumi.k8s-prod.yaml").read_text(encoding="utf-8")

@@ -46,7 +46,7 @@ FAST = ["--observe", "0.5s", "--poll", "0.1s", "--skip-validation"]
 def rendered() -> list[dict[str, Any]]:
     """Every Kubernetes object of stack k8s-prod, rendered offline (blue active, 10 % canary on green)."""
     from infra.ops.k8s_render import render_objects
-    from infra.ops.preview import record_stack
+    from infra.program.preview import record_stack
 
     result = record_stack("k8s-prod")
     return render_objects((r.type, r.inputs) for r in result.resources)

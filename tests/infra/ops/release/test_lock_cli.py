@@ -118,7 +118,7 @@ _RENDERED: list[dict[str, Any]] = []
 def _rendered() -> list[dict[str, Any]]:
     if not _RENDERED:
         from infra.ops.k8s_render import render_objects
-        from infra.ops.preview import record_stack
+        from infra.program.preview import record_stack
 
         _RENDERED.extend(render_objects((r.type, r.inputs) for r in record_stack("k8s-prod").resources))
     return _RENDERED

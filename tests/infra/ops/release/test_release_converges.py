@@ -12,7 +12,7 @@ import pytest
 
 from infra.config import StackFile, load_stack
 from infra.ops.cli.main import main
-from infra.ops.preview import PreviewResult, record_stack
+from infra.program.preview import PreviewResult, record_stack
 from infra.ops.release import validation
 from infra.ops.release.validation import ValidationOutcome
 from tests.infra.pulumi_up import ALARM, LISTENER, key, planned_updates

@@ -14,7 +14,7 @@ import pulumi
 import pytest
 
 from infra.ops.cli.main import main
-from infra.ops.preview import PreviewResult, render
+from infra.program.preview import PreviewResult, render
 
 StackFn = Callable[[str], PreviewResult]
 REPO = Path(__file__).resolve().parents[3]
