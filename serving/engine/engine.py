@@ -18,13 +18,13 @@ import torch
 from serving.engine.batch import ForwardBatch, ForwardBatchBuilder, SequenceInput
 from serving.engine.compile import CompiledForward, buckets_up_to
 from serving.engine.config import EngineConfig
-from serving.engine.cpu_attention import AttentionDecision
-from serving.engine.cpu_attention import choose as choose_attention
-from serving.engine.cpu_attention import unsupported_reason as attention_unsupported
-from serving.engine.cpu_linear import PackingDecision, choose, unsupported_reason
 from serving.engine.cpu_threads import ThreadsDecision, usable_cores
 from serving.engine.cpu_threads import choose as choose_threads
 from serving.engine.grammar import RequestGrammar, apply_grammar_masks
+from serving.engine.kernels.cpu_attention import AttentionDecision
+from serving.engine.kernels.cpu_attention import choose as choose_attention
+from serving.engine.kernels.cpu_attention import unsupported_reason as attention_unsupported
+from serving.engine.kernels.cpu_linear import PackingDecision, choose, unsupported_reason
 from serving.engine.kv_cache import BlockManager, KVCache, kv_bytes_per_block
 from serving.engine.loader import dtype_reason, load_model, read_model_args, resolve_dtype
 from serving.engine.model import KERNEL_MAX_QUERY, Transformer
@@ -144,8 +144,8 @@ class LLMEngine:
         engine.threads = threads
         # CPU with a draft: the rollout first (compiled and measured on the plain weights it needs), then packing
         engine.prepare_draft_rollout()  # serving.engine.spec.rollout
-        engine.pack_weights()  # CPU: measured per model at start-up, before ready (serving.engine.cpu_linear)
-        engine.choose_attention()  # CPU: decode attention in place or gathered (serving.engine.cpu_attention)
+        engine.pack_weights()  # CPU: measured per model at start-up, before ready (serving.engine.kernels.cpu_linear)
+        engine.choose_attention()  # CPU: decode attention in place or gathered (serving.engine.kernels.cpu_attention)
         if compiles(config.compile, device) and tp_group is None:
             engine.compile_steps()  # part of start-up: the server reports ready only after it
         log.info("start-up decisions: %s",

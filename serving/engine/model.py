@@ -17,12 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from serving.engine.batch import AttentionGroup, ForwardBatch
+from serving.engine.kernels.paged_attention import CapturedDecode, paged_attention, paged_block_mask
 from serving.engine.kv_cache import KVCache
-from serving.engine.paged_attention import CapturedDecode, paged_attention, paged_block_mask
 from serving.engine.rope import apply_rope, build_rope_cache, compute_inv_freq
 
 # CPU: groups whose queries are at most this long (decode, and verify steps of up to 15 drafts) attend through the
-# kernel that reads the paged cache in place (serving.engine.cpu_attention). Longer ones (prefill chunks) gather
+# kernel that reads the paged cache in place (serving.engine.kernels.cpu_attention). Longer ones (prefill chunks) gather
 # for SDPA. Measured on the demo target (docs/benchmarks/log.md), the kernel took 0.30-0.42 of gather + SDPA's time for
 # decode, 0.50-0.73 at 3-9 query tokens of one sequence, 0.76-0.92 at 9-16 tokens of 16 sequences
 KERNEL_MAX_QUERY = 16
@@ -127,15 +127,15 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(args.dim, qkv_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
         self.scale = args.head_dim**-0.5
-        # FlexAttention straight from the paged cache (serving.engine.paged_attention) instead of gather + SDPA;
+        # FlexAttention straight from the paged cache (serving.engine.kernels.paged_attention) instead of gather + SDPA;
         # Transformer.set_paged_attention turns it on (the engine does on CUDA)
         self.paged = False
         # CPU: decode and verify groups (queries of at most KERNEL_MAX_QUERY tokens) attend through a C++ kernel
-        # reading the paged cache in place (serving.engine.cpu_attention; Transformer.set_decode_kernel); None:
+        # reading the paged cache in place (serving.engine.kernels.cpu_attention; Transformer.set_decode_kernel); None:
         # gather + SDPA
         self.decode_kernel: Callable[..., torch.Tensor] | None = None
         # CUDA, paged: decode and verify groups through a Triton kernel with the decode kernel's signature
-        # (serving.engine.gpu_kernels; Transformer.set_triton_kernels); None: FlexAttention
+        # (serving.engine.kernels.gpu_kernels; Transformer.set_triton_kernels); None: FlexAttention
         self.paged_decode_kernel: Callable[..., torch.Tensor] | None = None
 
     def forward(
@@ -235,7 +235,7 @@ class TransformerBlock(nn.Module):
     # tensor parallelism (serving.engine.parallel) sets an in-place all-reduce here; None on one device
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     # CUDA: (x, residual, weight, eps) -> (RMSNorm(x + residual), x + residual) in one kernel for the MLP's norm
-    # (serving.engine.gpu_kernels; Transformer.set_triton_kernels); None: the two apart
+    # (serving.engine.kernels.gpu_kernels; Transformer.set_triton_kernels); None: the two apart
     residual_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def __init__(self, args: ModelArgs) -> None:
@@ -278,7 +278,7 @@ class Transformer(nn.Module):
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.paged_attention = False  # set_paged_attention
-        # decode steps captured whole attend through this (serving.engine.gpu_kernels) instead of FlexAttention
+        # decode steps captured whole attend through this (serving.engine.kernels.gpu_kernels) instead of FlexAttention
         self.captured_decode_kernel: Callable[..., torch.Tensor] | None = None
         self.quantization = "none"  # set by the loader: none, int8 or fp8 (serving.engine.quant)
         self.rope_cos = torch.empty(0)  # [max_model_len, D] fp32, indexed by position
@@ -286,14 +286,15 @@ class Transformer(nn.Module):
         self.build_rope(None)
 
     def set_paged_attention(self, on: bool) -> None:
-        """Attend from the paged cache in place (FlexAttention, serving.engine.paged_attention), not gather + SDPA."""
+        """Attend from the paged cache in place (FlexAttention, serving.engine.kernels.paged_attention), not gather
+        + SDPA."""
         self.paged_attention = on
         for layer in self.layers:
             assert isinstance(layer, TransformerBlock)
             layer.attention.paged = on
 
     def set_decode_kernel(self, kernel: Callable[..., torch.Tensor] | None) -> None:
-        """CPU: attend decode and verify groups through `kernel` (serving.engine.cpu_attention), or gather +
+        """CPU: attend decode and verify groups through `kernel` (serving.engine.kernels.cpu_attention), or gather +
         SDPA (None)."""
         for layer in self.layers:
             assert isinstance(layer, TransformerBlock)
@@ -303,7 +304,8 @@ class Transformer(nn.Module):
                            captured_decode: Callable[..., torch.Tensor] | None,
                            residual_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None) -> None:
         """CUDA: decode and verify groups, decode steps captured whole and the MLP's residual + norm through these
-        kernels (serving.engine.gpu_kernels.enable_triton_kernels checks where they apply); None: the default."""
+        kernels (serving.engine.kernels.gpu_kernels.enable_triton_kernels checks where they apply); None: the
+        default."""
         self.captured_decode_kernel = captured_decode
         for layer in self.layers:
             assert isinstance(layer, TransformerBlock)

@@ -187,7 +187,7 @@ def quantize_state_dict(
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every parameter and buffer, each shared tensor (a tied embedding) counted once, plus the weights
-    packed for oneDNN (serving.engine.cpu_linear), which are neither."""
+    packed for oneDNN (serving.engine.kernels.cpu_linear), which are neither."""
     seen: set[int] = set()
     total = sum(int(getattr(m, "weight_nbytes", 0)) for m in model.modules())
     for tensor in [*model.parameters(), *model.buffers()]:

@@ -1,7 +1,7 @@
 """Timing one forward of a model through the engine's own path (batch metadata, layers, lm_head, argmax).
 
 Used where a choice is measured rather than assumed: the speculative bench's ceiling, the draft's cost per
-token, and whether a model's matmul weights are packed for oneDNN on CPU (serving.engine.cpu_linear).
+token, and whether a model's matmul weights are packed for oneDNN on CPU (serving.engine.kernels.cpu_linear).
 `interleaved_medians` is how every start-up choice times its alternatives (weight packing, the draft rollout,
 the CPU attention kernel).
 """

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from serving.config import DraftRolloutMode, RolloutWrapper
-from serving.engine.cpu_linear import PackedLinear
+from serving.engine.kernels.cpu_linear import PackedLinear
 from serving.engine.model import Transformer, TransformerBlock
 from serving.engine.rope import apply_rope
 from serving.engine.spec.policy import LinearCost

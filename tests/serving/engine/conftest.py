@@ -63,7 +63,7 @@ def random_prompts(lengths: list[int], vocab: int = 128, seed: int = 1) -> list[
 def kernel_mode() -> str:
     """`on` where the CPU attention kernel builds or loads here, else `off` (a host without a compiler or a
     writable cache still runs the engine tests; test_cpu_attention.py skips there and says why)."""
-    from serving.engine import cpu_attention
+    from serving.engine.kernels import cpu_attention
 
     try:
         cpu_attention.load()

@@ -242,7 +242,7 @@ def test_a_rollout_is_used_only_where_it_costs_less_than_the_forwards_it_replace
 
 def test_the_rollout_does_not_apply_where_it_cannot(kit: Any, llama_dir: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    from serving.engine.cpu_linear import pack
+    from serving.engine.kernels.cpu_linear import pack
 
     model = kit.PagedRunner(llama_dir).model
     if any(shutil.which(c) for c in ("g++", "c++", "clang++")):

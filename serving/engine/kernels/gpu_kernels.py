@@ -1,4 +1,4 @@
-"""The switch that puts the Triton kernels (serving.engine.triton_kernels) on the model's CUDA path.
+"""The switch that puts the Triton kernels (serving.engine.kernels.triton_kernels) on the model's CUDA path.
 
 Off unless asked for: `enable_triton_kernels(model, block_size)` refuses by name where the kernels cannot apply
 (CPU, gather attention, a cache block that is not a power of two of at least 16 tokens, a head dim over 256),
@@ -42,7 +42,7 @@ def triton_kernels_refusal(device: torch.device, paged_attention: bool, block_si
 def paged_decode_attention_op(q_pad: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
                               block_tables: torch.Tensor, q_start: torch.Tensor, seq_lens: torch.Tensor, n_rep: int,
                               scale: float) -> torch.Tensor:
-    from serving.engine import triton_kernels
+    from serving.engine.kernels import triton_kernels
 
     return triton_kernels.paged_decode_attention(q_pad, k_blocks, v_blocks, block_tables, q_start, seq_lens, n_rep,
                                                  scale)
@@ -59,7 +59,7 @@ def _paged_decode_attention_shape(q_pad: torch.Tensor, k_blocks: torch.Tensor, v
 def decode_with_new_key_op(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_blocks: torch.Tensor,
                            v_blocks: torch.Tensor, tables: torch.Tensor, ctx_lens: torch.Tensor,
                            scale: float) -> torch.Tensor:
-    from serving.engine import triton_kernels
+    from serving.engine.kernels import triton_kernels
 
     return triton_kernels.decode_with_new_key(q, k_new, v_new, k_blocks, v_blocks, tables, ctx_lens, scale)
 
@@ -74,7 +74,7 @@ def _decode_with_new_key_shape(q: torch.Tensor, k_new: torch.Tensor, v_new: torc
 @torch.library.custom_op("specdeploy::residual_rmsnorm", mutates_args=())
 def residual_rmsnorm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    from serving.engine import triton_kernels
+    from serving.engine.kernels import triton_kernels
 
     return triton_kernels.residual_rmsnorm(x, residual, weight, eps)
 

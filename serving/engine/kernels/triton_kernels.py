@@ -19,7 +19,7 @@ Every operand is widened to fp32 as it is loaded: a bf16 key or query is exact i
 against bf16 tensor-core dots (fp32 models use IEEE dots, keeping their tokens), and the interpreter, which keeps
 bf16 as raw 16-bit integers, computes the same. The kernels are plain `triton.jit` functions, chosen when this
 module is imported: with TRITON_INTERPRET=1 they run on CPU tensors under Triton's interpreter, which is how the
-tests check them on a machine without a GPU (tests/serving/engine/test_triton_kernels.py loads a copy of this
+tests check them on a machine without a GPU (tests/serving/engine/kernels/test_triton_kernels.py loads a copy of this
 module that way).
 """
 

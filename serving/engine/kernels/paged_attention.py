@@ -179,7 +179,7 @@ class CapturedDecode:
         self.k_layers, self.v_layers = k_layers, v_layers  # per layer [num_blocks, block_size, Hkv, D]
         num_blocks, block_size = k_layers[0].shape[0], k_layers[0].shape[1]
         # kernel: (q, k_new, v_new, k_blocks, v_blocks, tables, ctx_lens, scale) -> [G, Hq * D] reading the table
-        # itself (serving.engine.gpu_kernels), in place of FlexAttention and its block mask
+        # itself (serving.engine.kernels.gpu_kernels), in place of FlexAttention and its block mask
         self.kernel, self.tables, self.ctx_lens = kernel, tables, ctx_lens
         self.block_mask = None if kernel else context_block_mask(tables, ctx_lens, num_blocks, block_size)
         self.scale = scale

@@ -15,7 +15,7 @@ one-pass walk, which took another 4-16 % off), the kernel's time as a share of g
 Built at start-up with the host's C++ compiler (`-O3 -march=native`, half a second) into a cache directory,
 keyed by the source, the flags, the compiler and the CPU, and loaded with ctypes: a plain C ABI, no torch
 headers. The server image has no compiler: its build stage compiles portable variants instead
-(`python -m serving.engine.cpu_attention prebuild DIR`: x86-64-v3 with AVX2 and FMA, baseline x86-64, or
+(`python -m serving.engine.kernels.cpu_attention prebuild DIR`: x86-64-v3 with AVX2 and FMA, baseline x86-64, or
 armv8-a), and a host without a compiler loads the best one its CPU runs. With neither, the decision says so and
 attention gathers.
 
@@ -28,7 +28,7 @@ attention gathers.
 
 Outputs differ from SDPA's only in summation order and the exponential (a few 1e-7 relative).
 
-`python -m serving.engine.cpu_attention compare OTHER.cpp` builds this source and another version of it with the
+`python -m serving.engine.kernels.cpu_attention compare OTHER.cpp` builds this source and another version of it with the
 same compiler and flags and prints, per decode and verify shape, both times, their ratio and the largest
 difference between their outputs (how a change to the kernel is measured).
 """
@@ -447,18 +447,18 @@ def _compare_shape(this: DecodeAttentionKernel, other: DecodeAttentionKernel,
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m serving.engine.cpu_attention prebuild DIR`: the portable builds, for an image's build stage.
-    `python -m serving.engine.cpu_attention compare OTHER.cpp`: this kernel's time over another version's."""
+    """`python -m serving.engine.kernels.cpu_attention prebuild DIR`: the portable builds, for an image's build stage.
+    `python -m serving.engine.kernels.cpu_attention compare OTHER.cpp`: this kernel's time over another version's."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m serving.engine.cpu_attention")
+    parser = argparse.ArgumentParser(prog="python -m serving.engine.kernels.cpu_attention")
     actions = parser.add_subparsers(dest="action", required=True)
     action = actions.add_parser("prebuild", help="compile the portable builds for this architecture into DIR")
     action.add_argument("directory", type=Path)
     action = actions.add_parser("compare", help="time this kernel against another version of its source, both "
                                 "built for this CPU, interleaved on decode and verify shapes (one layer a call)")
     action.add_argument("other", type=Path, help="the other .cpp, e.g. git show REV:" + str(SOURCE.relative_to(
-        Path(__file__).parents[2])) + " > FILE")
+        Path(__file__).parents[3])) + " > FILE")
     action.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
     args = parser.parse_args(argv)
     try:

@@ -1,4 +1,4 @@
-"""Matmul weights packed for oneDNN on CPU (serving.engine.cpu_linear, `model.cpu_weight_packing`)."""
+"""Matmul weights packed for oneDNN on CPU (serving.engine.kernels.cpu_linear, `model.cpu_weight_packing`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from serving.engine import cpu_linear
-from serving.engine.cpu_linear import PackedLinear, choose, pack, unsupported_reason
+from serving.engine.kernels import cpu_linear
+from serving.engine.kernels.cpu_linear import PackedLinear, choose, pack, unsupported_reason
 from serving.engine.types import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")

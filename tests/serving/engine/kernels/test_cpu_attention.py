@@ -1,4 +1,4 @@
-"""Decode attention read in place from the paged KV cache on CPU (serving.engine.cpu_attention,
+"""Decode attention read in place from the paged KV cache on CPU (serving.engine.kernels.cpu_attention,
 `model.cpu_decode_attention`)."""
 
 from __future__ import annotations
@@ -13,8 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from serving.engine import cpu_attention
-from serving.engine.cpu_attention import DecodeAttentionKernel, KernelUnavailable, build, choose, unsupported_reason
+from serving.engine.kernels import cpu_attention
+from serving.engine.kernels.cpu_attention import (
+    DecodeAttentionKernel,
+    KernelUnavailable,
+    build,
+    choose,
+    unsupported_reason,
+)
 from serving.engine.model import KERNEL_MAX_QUERY
 from serving.engine.types import SamplingParams
 
@@ -351,23 +357,6 @@ def test_the_prebuild_command_names_a_missing_compiler(monkeypatch: pytest.Monke
     assert exit_info.value.code == 1
     assert "error: no C++ compiler on PATH" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
-
-
-def test_the_fastpath_benchmark_times_the_kernel_against_the_gather_path() -> None:
-    """`python -m serving.engine.fastpath_benchmark`'s kernel table: one row per group shape, the two paths
-    agreeing, both for a decode group and for a query the engine leaves to SDPA."""
-    from serving.engine.fastpath_benchmark import _BLOCK, _HEAD_DIM, _KERNEL_LAYERS, _KV_HEADS, compare_kernel
-    from serving.engine.kv_cache import KVCache
-
-    cache = KVCache(_KERNEL_LAYERS, 64, _BLOCK, _KV_HEADS, _HEAD_DIM, torch.float32, torch.device("cpu"))
-    cache.k.normal_()
-    cache.v.normal_()
-    for queries in (1, 5):
-        cells = [c.strip() for c in compare_kernel(cpu_attention.load(), cache, 3, 40, queries, 2).split("|")[1:-1]]
-        assert cells[:3] == ["3", "40", str(queries)]
-        gather_ms, kernel_ms, ratio, diff = (float(c) for c in cells[3:])
-        assert gather_ms >= 0 and kernel_ms >= 0 and ratio > 0  # printed rounded: microseconds at this size
-        assert diff < 1e-4
 
 
 @portable

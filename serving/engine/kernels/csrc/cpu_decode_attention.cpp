@@ -1,5 +1,5 @@
 // Decode and verify attention on CPU, read in place from the paged KV cache (built and loaded by
-// serving/engine/cpu_attention.py; plain C ABI, called through ctypes, so no torch headers are needed).
+// serving/engine/kernels/cpu_attention.py; plain C ABI, called through ctypes, so no torch headers are needed).
 //
 // A few query tokens per sequence: one in a decode step, k + 1 in a speculative verify step. The gather path
 // copies a group's context blocks into one [G, Hkv, K, D] tensor and runs SDPA on the copy, so every key and

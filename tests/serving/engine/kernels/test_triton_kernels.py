@@ -1,8 +1,8 @@
-"""The CUDA path's Triton kernels (serving.engine.triton_kernels), run on CPU under Triton's interpreter.
+"""The CUDA path's Triton kernels (serving.engine.kernels.triton_kernels), run on CPU under Triton's interpreter.
 
 Triton decides at decoration time whether a kernel is compiled or interpreted (TRITON_INTERPRET, read when
 `triton.jit` runs), so the fixture loads a private copy of the module with the variable set and restores it at
-once: nothing else in the test process sees it, and `serving.engine.triton_kernels` itself is untouched.
+once: nothing else in the test process sees it, and `serving.engine.kernels.triton_kernels` itself is untouched.
 Each kernel is held against a float64 reference; shapes stay tiny because the interpreter is slow. The tests
 marked gpu hold the compiled kernels against the same reference on a card at Llama-3-8B's head shapes (`make
 gpu-test`); the kernels inside the engine's compiled and captured steps are in test_cuda_triton.py."""
@@ -18,17 +18,17 @@ import pytest
 import torch
 
 from serving.engine.batch import ForwardBatchBuilder, SequenceInput, build_forward_batch
-from serving.engine.gpu_kernels import enable_triton_kernels, triton_kernels_refusal
+from serving.engine.kernels.gpu_kernels import enable_triton_kernels, triton_kernels_refusal
 from serving.engine.model import KERNEL_MAX_QUERY
 
 # Triton comes with xgrammar in the development environment and with CUDA torch on a GPU host
 pytest.importorskip("triton", reason="Triton is not installed here")
-import serving.engine.triton_kernels as compiled_kernels  # noqa: E402
+import serving.engine.kernels.triton_kernels as compiled_kernels  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tk() -> ModuleType:
-    """serving/engine/triton_kernels.py loaded again with TRITON_INTERPRET=1: its kernels run on CPU tensors."""
+    """serving/engine/kernels/triton_kernels.py loaded again with TRITON_INTERPRET=1: its kernels run on CPU tensors."""
     path = Path(compiled_kernels.__file__)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_INTERPRET", "1")

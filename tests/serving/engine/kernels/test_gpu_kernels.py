@@ -1,4 +1,4 @@
-"""The Triton kernels on the engine's CUDA path (serving.engine.gpu_kernels), run by `make gpu-test`.
+"""The Triton kernels on the engine's CUDA path (serving.engine.kernels.gpu_kernels), run by `make gpu-test`.
 
 With the kernels switched on, eager steps, compiled steps with CUDA graphs and decode steps captured whole give
 the greedy tokens of the engine without them (fp32, where the attention paths differ by rounding only), and
@@ -25,7 +25,7 @@ SETTINGS = {"device": "cuda", "dtype": "fp32", "max_num_seqs": 4, "max_num_batch
 
 def _with_kernels(kit: Any, llama_dir: Path, compile_mode: str, **overrides: Any) -> Any:
     """An engine with the Triton kernels; compile_mode: off (eager), whole (decode captured whole), piecewise."""
-    from serving.engine.gpu_kernels import decode_with_new_key_op, enable_triton_kernels
+    from serving.engine.kernels.gpu_kernels import decode_with_new_key_op, enable_triton_kernels
     from serving.engine.model import KERNEL_MAX_QUERY
 
     engine = kit.make_engine(llama_dir, **{**SETTINGS, **overrides})
