@@ -60,10 +60,10 @@ gpu-test: $(STAMP)
 
 # On a GPU host, in under 8 minutes (--budget-s): decode against the bandwidth bound on Llama-3-8B and ~1.1B shapes
 # (random bf16 weights made on the card), batch 1 / 16 / 64, eager / captured / captured with the Triton kernels,
-# verify(k+1) / decode(1): one table, and reports/gpu-check-*.json (serving/engine/gpu_check.py). Batch-1 int8 and
-# fp8 runs: python -m serving.engine.bandwidth.
+# verify(k+1) / decode(1): one table, and reports/gpu-check-*.json (infra/bench/gpu_check.py). Batch-1 int8 and
+# fp8 runs: python -m infra.bench.bandwidth.
 gpu-check: $(STAMP)
-	$(BIN)/python -m serving.engine.gpu_check
+	$(BIN)/python -m infra.bench.gpu_check
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .specdeploy

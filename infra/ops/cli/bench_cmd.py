@@ -13,14 +13,14 @@ from typing import Any
 
 from infra.ops.cli.main import CommandError
 
-# model.cpu_weight_packing of every engine a bench builds (serving.engine.cpu_linear)
+# model.cpu_weight_packing of every engine a bench builds (serving.engine.kernels.cpu_linear)
 _PACKING_ARG: dict[str, Any] = {
     "choices": ("auto", "on", "off"), "default": "auto",  # serving.config.WeightPacking (not imported at start-up)
     "help": "model.cpu_weight_packing of every engine measured (auto: per model, packed for oneDNN where a one-token "
             "step measured no slower at start-up; the JSON lists the decisions)",
 }
 
-# model.cpu_decode_attention of every engine a bench builds (serving.engine.cpu_attention)
+# model.cpu_decode_attention of every engine a bench builds (serving.engine.kernels.cpu_attention)
 _ATTENTION_ARG: dict[str, Any] = {
     "choices": ("auto", "on", "off"), "default": "auto",  # serving.config.DecodeAttentionMode
     "help": "model.cpu_decode_attention of every engine measured (auto: per model, decode attention through the C++ "
@@ -224,7 +224,7 @@ def _concurrencies(text: str) -> list[int]:
 def _bench_engine(args: argparse.Namespace) -> int:
     if args.quantization:
         return _bench_quantization(args)
-    from serving.engine.benchmark import run_engine_benchmark
+    from infra.bench.engine import run_engine_benchmark
 
     concurrencies = _concurrencies(args.concurrency)
     report = run_engine_benchmark(_model_dir(args.model), concurrencies, args.output_len, args.threads,
@@ -255,7 +255,7 @@ def _bench_quantization(args: argparse.Namespace) -> int:
         raise CommandError(str(exc)) from exc
     if args.device != "cpu":
         raise CommandError("--quantization is measured on --device cpu here (fp32 beside the quantized engine)")
-    from serving.engine.quant_benchmark import run_quant_benchmark
+    from infra.bench.quant import run_quant_benchmark
 
     concurrencies = _concurrencies(args.concurrency)
     report = run_quant_benchmark(_model_dir(args.model), args.quantization, concurrencies, args.output_len,
@@ -280,7 +280,7 @@ def _bench_quantization(args: argparse.Namespace) -> int:
 
 
 def _bench_spec(args: argparse.Namespace) -> int:
-    from serving.engine.spec.benchmark import run_spec_benchmark
+    from infra.bench.spec import run_spec_benchmark
 
     if args.trace_policy is not None and not args.trace_policy.parent.is_dir():
         raise CommandError(f"--trace-policy {args.trace_policy}: directory {args.trace_policy.parent} does not exist")
@@ -309,7 +309,7 @@ def _bench_spec(args: argparse.Namespace) -> int:
 def _bench_http(args: argparse.Namespace) -> int:
     import logging
 
-    from infra.validation import httpbench
+    from infra.bench import http
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
     concurrency = _concurrencies(args.concurrency or ("4,16,64" if args.matrix else "1,16,64"))
@@ -318,15 +318,15 @@ def _bench_http(args: argparse.Namespace) -> int:
     def say(line: str) -> None:
         sys.stderr.write(line + "\n")
 
-    with httpbench.scratch_dir(args.workdir) as workdir:
+    with http.scratch_dir(args.workdir) as workdir:
         if args.matrix:
-            report = httpbench.run_matrix(target, draft, concurrency, args.output_len, args.prompts,
-                                          max(args.repeats, 1), [d for d in args.dtypes.split(",") if d],
-                                          _concurrencies(args.ks), Path(workdir), say, args.only)
+            report = http.run_matrix(target, draft, concurrency, args.output_len, args.prompts,
+                                     max(args.repeats, 1), [d for d in args.dtypes.split(",") if d],
+                                     _concurrencies(args.ks), Path(workdir), say, args.only)
         else:
-            report = httpbench.run_plain(target, draft, concurrency, args.output_len, args.prompts,
-                                         max(args.repeats, 1), args.threads_check, Path(workdir), say)
-    text = httpbench.dumps(report)
+            report = http.run_plain(target, draft, concurrency, args.output_len, args.prompts,
+                                    max(args.repeats, 1), args.threads_check, Path(workdir), say)
+    text = http.dumps(report)
     sys.stdout.write(text + "\n")
     if args.json_out:
         args.json_out.write_text(text + "\n")
@@ -338,7 +338,7 @@ def _print_http_table(report: Any) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from infra.validation.httpbench import GOALS, summary
+    from infra.bench.http import GOALS, summary
 
     console = Console(stderr=True, width=200)
     console.print(f"server config of every run (plus the row's keys): {json.dumps(report.base_config)}")
@@ -361,7 +361,7 @@ def _print_http_table(report: Any) -> None:
 
 
 def _bench_grammar(args: argparse.Namespace) -> int:
-    from serving.engine.grammar_benchmark import run_grammar_benchmark
+    from infra.bench.grammar import run_grammar_benchmark
 
     if args.output_len < 1 or args.repeats < 1:
         raise CommandError("--output-len and --repeats must be positive integers")
@@ -387,7 +387,7 @@ def _bench_grammar(args: argparse.Namespace) -> int:
 
 
 def _bench_prefix(args: argparse.Namespace) -> int:
-    from serving.engine.prefix_benchmark import run_prefix_benchmark
+    from infra.bench.prefix import run_prefix_benchmark
 
     for flag in ("system_tokens", "requests", "concurrency", "output_len"):
         if getattr(args, flag) < 1:

@@ -1,6 +1,6 @@
 """`specdeploy bench server`: HTTP tokens/s at c=1 ÷ engine tokens/s at c=1 (goal ≥ 0.95).
 
-Exit 1 when the paired ratio (see serving.api.benchmark) is below the goal.
+Exit 1 when the paired ratio (see infra.bench.server) is below the goal.
 
 Registered under `specdeploy bench` by ``infra/ops/cli/bench_cmd.py`` (``register_server(actions)``).
 """
@@ -37,7 +37,7 @@ def register_server(actions: Any) -> None:
 def _bench_server(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from serving.api.benchmark import GOAL, run_server_benchmark
+    from infra.bench.server import GOAL, run_server_benchmark
 
     model = args.model
     if model is None:

@@ -1,8 +1,7 @@
-"""Load-time weight quantization: the kernels, the loader, the engine, and the demo target's held-out quality."""
+"""Load-time weight quantization: the kernels, the loader and the engine."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +20,7 @@ from serving.engine.quant import (
     check_supported,
     quantize_fp8,
     quantize_int8,
-    weight_bytes,
 )
-from serving.engine.quant_benchmark import heldout_windows, mean_nll
 from serving.engine.types import SamplingParams
 
 CPU = torch.device("cpu")
@@ -129,16 +126,3 @@ def test_engine_serves_int8_weights_from_the_server_config(kit: Any, llama_dir: 
 def test_engine_refuses_fp8_on_cpu_before_loading(kit: Any, llama_dir: Path) -> None:
     with pytest.raises(QuantizationUnsupported, match="fp8"):
         kit.make_engine(llama_dir, quantization="fp8")
-
-
-def test_demo_target_int8_keeps_perplexity_and_quarters_the_weights() -> None:
-    from serving.demo import target_path
-
-    target = target_path()
-    windows = heldout_windows(target, 256, 4)
-    assert windows.shape == (4, 257)
-    fp32 = load_model(target, torch.float32, CPU, 257)
-    int8 = load_model(target, torch.float32, CPU, 257, "int8")
-    ppl32, ppl8 = math.exp(mean_nll(fp32, windows)), math.exp(mean_nll(int8, windows))
-    assert abs(ppl8 - ppl32) / ppl32 <= 0.02
-    assert weight_bytes(int8) <= 0.3 * weight_bytes(fp32)

@@ -112,7 +112,7 @@ def run_server_benchmark(model_dir: Path, output_len: int, threads: int | str, r
 
 
 def _load_engine(model_dir: Path, threads: int | str, requests: int) -> tuple[Any, list[list[int]]]:
-    from serving.engine.benchmark import bench_engine, default_prompts
+    from infra.bench.engine import bench_engine, default_prompts
     from serving.engine.config import EngineConfig
     from serving.engine.engine import LLMEngine
 
@@ -124,7 +124,7 @@ def _load_engine(model_dir: Path, threads: int | str, requests: int) -> tuple[An
 
 
 def _engine_request(engine: Any, prompt: list[int], output_len: int) -> Any:
-    from serving.engine.benchmark import bench_engine
+    from infra.bench.engine import bench_engine
 
     return bench_engine(engine, [prompt], 1, output_len)
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from infra.bench.step_profile import profile_steps
 from serving.config import DecodeAttentionMode, DraftRolloutMode, RolloutWrapper, WeightPacking
 from serving.engine.batch import SequenceInput, build_forward_batch
 from serving.engine.config import CompileMode, DType, EngineConfig, SpeculativeConfig
@@ -24,7 +25,6 @@ from serving.engine.kv_cache import BlockManager, KVCache
 from serving.engine.model import Transformer
 from serving.engine.sampling import greedy_tokens
 from serving.engine.spec.rollout import DraftRollout
-from serving.engine.step_profile import profile_steps
 from serving.engine.timing import forward_seconds
 from serving.engine.types import GenerationRequest, SamplingParams
 from serving.stats import percentile

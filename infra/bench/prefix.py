@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from infra.bench.engine import default_prompts
 from serving.config import DecodeAttentionMode, WeightPacking
-from serving.engine.benchmark import default_prompts
 from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine
 from serving.engine.types import GenerationRequest, SamplingParams

@@ -1,6 +1,6 @@
 """Decode tokens/s of one model at several tensor_parallel_size values, measured one after another in one run.
 
-    python -m serving.engine.parallel.benchmark --model serving/demo/models/target --tp 1 2
+    python -m infra.bench.parallel --model serving/demo/models/target --tp 1 2
 
 Information, not a goal: on a CPU every rank shares the same cores and memory bandwidth, and each layer adds
 two all-reduces over loopback, so tp > 1 is expected to be slower there. Read the ratio, not the absolute
@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from serving.engine.benchmark import bench_engine, default_prompts
+from infra.bench.engine import bench_engine, default_prompts
 from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine
 
@@ -36,7 +36,7 @@ def run_tp_benchmark(model_dir: Path, tps: Sequence[int], concurrency: int, outp
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m serving.engine.parallel.benchmark", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m infra.bench.parallel", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, type=Path, help="model directory (HF layout)")
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="tensor_parallel_size values")

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from infra.bench.engine import bench_engine, default_prompts
 from serving.config import Quantization
 from serving.engine.batch import SequenceInput, build_forward_batch
-from serving.engine.benchmark import bench_engine, default_prompts
 from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine
 from serving.engine.kv_cache import KVCache

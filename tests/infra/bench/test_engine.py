@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
+from infra.bench.engine import run_engine_benchmark
+from infra.bench.step_profile import StepTimer
 from infra.ops.cli.main import main
-from serving.engine.benchmark import run_engine_benchmark
-from serving.engine.step_profile import StepTimer
 from serving.engine.types import SamplingParams
 
 

@@ -1,4 +1,4 @@
-"""The prepared GPU check (serving.engine.gpu_check): its arithmetic, table and arguments, and a dry run of the
+"""The prepared GPU check (infra.bench.gpu_check): its arithmetic, table and arguments, and a dry run of the
 whole script on a tiny model on CPU, so that it is known to run before a card is lent."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from serving.engine import gpu_check
-from serving.engine.gpu_check import LLAMA3_8B, ONE_B, TINY, Row
+from infra.bench import gpu_check
+from infra.bench.gpu_check import LLAMA3_8B, ONE_B, TINY, Row
 
 
 def test_shapes_are_llama3_8b_and_tinyllama() -> None:

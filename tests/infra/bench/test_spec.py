@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-from serving.engine.spec.benchmark import (
+from infra.bench.spec import (
     alpha_per_position,
     draft_agreement,
     expected_speedup,
@@ -40,8 +40,8 @@ def test_the_spec_bench_without_the_policy_drafts_k_and_splits_the_c1_step() -> 
     """`bench spec --no-adaptive` on the demo pair, shortened: every c=1 speculating step drafts k (short only
     where a request's remaining tokens cap it), and the report splits a c=1 step of spec off and of draft. The
     draft rollout is on: the demo draft's drafts come from the compiled rollout, and outputs stay identical."""
+    from infra.bench.spec import run_spec_benchmark
     from serving.demo import draft_path, target_path
-    from serving.engine.spec.benchmark import run_spec_benchmark
 
     trace: list[dict[str, Any]] = []
     report = run_spec_benchmark(target_path(), draft_path(), [1, 2], output_len=24, num_prompts=2, k=4, threads=1,
@@ -68,7 +68,7 @@ def test_the_spec_bench_without_the_policy_drafts_k_and_splits_the_c1_step() -> 
 
 def test_interleaved_c1_runs_every_prompt_on_every_engine_back_to_back(kit: Any, llama_dir: Path) -> None:
     """The c=1 comparison alternates systems prompt by prompt (order rotating), so drift hits all of them."""
-    from serving.engine.spec.benchmark import run_interleaved
+    from infra.bench.spec import run_interleaved
 
     engines = {"a": kit.make_engine(llama_dir), "b": kit.make_engine(llama_dir)}
     order: list[str] = []
@@ -99,8 +99,8 @@ def test_the_c1_report_per_prompt_says_which_prompts_are_slow_and_how_long_their
     """Per prompt: the median latency of every system and the tokens per verification of each speculating one.
     A draft equal to the target has every draft accepted, so its rounds are k + 1 tokens but where a request's
     remaining tokens cap k; a draft with other weights has much shorter rounds, on every prompt."""
+    from infra.bench.spec import PromptLatency, SpecBenchReport, run_interleaved
     from serving.engine.config import SpeculativeConfig
-    from serving.engine.spec.benchmark import PromptLatency, SpecBenchReport, run_interleaved
 
     def drafting(draft: Path) -> Any:
         return kit.make_engine(llama_dir, speculative=SpeculativeConfig(
@@ -133,7 +133,7 @@ def test_the_c1_report_per_prompt_attributes_each_request_to_its_prompt(monkeypa
     sums."""
     from types import SimpleNamespace
 
-    from serving.engine.spec import benchmark
+    from infra.bench import spec as benchmark
 
     class Stub:
         def __init__(self) -> None:
@@ -187,10 +187,10 @@ def test_tokens_per_round_replays_greedy_speculation_over_the_outputs() -> None:
 @pytest.mark.slow
 def test_the_replayed_round_length_is_what_the_engine_does_at_fixed_k() -> None:
     """Greedy, k fixed (no policy), the rollout off: the engine's mean accepted length equals the replay's."""
+    from infra.bench.spec import draft_agreement, load_prompts, run_sequential
     from serving.demo import draft_path, target_path
     from serving.engine.config import EngineConfig, SpeculativeConfig
     from serving.engine.engine import LLMEngine
-    from serving.engine.spec.benchmark import draft_agreement, load_prompts, run_sequential
 
     def engine(spec: SpeculativeConfig) -> LLMEngine:
         return LLMEngine.from_config(EngineConfig(model=str(target_path()), device="cpu", kv_cache_bytes=32 * 2**20,

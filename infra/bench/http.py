@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 import yaml
 
-from infra.validation.local_server import ServerProcess
+from infra.runtime.process import ServerProcess
 from serving.net import free_port
 
 SERVED_NAME = "bench"

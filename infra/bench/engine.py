@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
+from infra.bench.step_profile import StepBreakdown, profile_steps
 from serving.config import CompileMode, DecodeAttentionMode, WeightPacking
 from serving.engine.compile import BucketDecision
 from serving.engine.config import DType, EngineConfig
 from serving.engine.engine import LLMEngine
-from serving.engine.step_profile import StepBreakdown, profile_steps
 from serving.engine.types import GenerationRequest, SamplingParams
 
 log = logging.getLogger(__name__)

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from infra.bench.prefix import run_prefix_benchmark
 from infra.ops.cli.main import main
-from serving.engine.prefix_benchmark import run_prefix_benchmark
 
 
 def test_prefix_benchmark_skips_the_shared_prompt_with_caching_on(llama_dir: Path) -> None:

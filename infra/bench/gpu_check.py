@@ -2,7 +2,7 @@
 
 For each model (random bf16 weights built on the device, nothing downloaded or saved), each mode (captured:
 compiled steps with CUDA graphs and decode steps captured whole, as the engine runs on CUDA; captured+triton: the
-same with the Triton paged decode attention of serving.engine.gpu_kernels; eager; eager+triton: eager with the
+same with the Triton paged decode attention of serving.engine.kernels.gpu_kernels; eager; eager+triton: eager with the
 Triton attention and the fused residual + RMSNorm) and each batch (1, 16, 64 sequences, contexts cycling through
 CONTEXT_MIX), it measures:
 
@@ -11,7 +11,7 @@ CONTEXT_MIX), it measures:
   lm_head on the same rows, nothing else);
 - % of the bound: the bound step reads the weights once (the embedding table excepted: a step reads B rows of
   it) plus, at batch > 1, every sequence's K/V, at the device's measured copy bandwidth (bytes read + written
-  per second by a large device-to-device copy, as serving.engine.bandwidth measures it);
+  per second by a large device-to-device copy, as infra.bench.bandwidth measures it);
 - kernels per step: device kernels and copies of an end-to-end step (torch.profiler);
 - at batch 1 and 16: verify(k + 1) ÷ decode(1), the forward of k + 1 query tokens per sequence against one, on
   the same contexts, for k = 4, 8, 12: what a verification costs against the step it replaces.
@@ -44,7 +44,7 @@ import torch
 LLAMA3_8B: dict[str, Any] = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
                                  rope_theta=500000.0, rms_norm_eps=1e-5)
-# ~1.1B, TinyLlama-like: the row serving.engine.bandwidth has measured since the first lent runs.
+# ~1.1B, TinyLlama-like: the row infra.bench.bandwidth has measured since the first lent runs.
 ONE_B: dict[str, Any] = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                              num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048)
 TINY: dict[str, Any] = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -53,7 +53,7 @@ SHAPES = {"8b": LLAMA3_8B, "1b": ONE_B, "tiny": TINY}
 
 CONTEXT_MIX = (128, 512, 1024, 2048)  # sequence i of a batch holds CONTEXT_MIX[i % 4] tokens
 # captured: compiled steps with CUDA graphs, decode captured whole (the engine on CUDA); +triton: with the Triton
-# kernels (serving.engine.gpu_kernels). In that order by default: the budget skips the last ones first.
+# kernels (serving.engine.kernels.gpu_kernels). In that order by default: the budget skips the last ones first.
 MODES = ("captured", "captured+triton", "eager", "eager+triton")
 VERIFY_KS = (4, 8, 12)
 VERIFY_BATCHES = (1, 16)
@@ -325,7 +325,7 @@ def capture(engine: Any, plan: Plan, piecewise_from: Any = None) -> Any:
 def set_mode(engine: Any, mode: str, plan: Plan, piecewise_from: Any) -> Any:
     """Put the model in a mode: its kernels, and for the captured modes its graphs. Returns the CompiledForward
     (None: eager)."""
-    from serving.engine.gpu_kernels import disable_triton_kernels, enable_triton_kernels
+    from serving.engine.kernels.gpu_kernels import disable_triton_kernels, enable_triton_kernels
 
     engine.compiled = None
     gc.collect()
@@ -440,7 +440,7 @@ def format_table(rows: list[Row], header: str, ks: list[int]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> tuple[Plan, Path | None]:
-    parser = argparse.ArgumentParser(prog="python -m serving.engine.gpu_check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m infra.bench.gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="8b,1b", help="of: " + ", ".join(SHAPES) + " (default: %(default)s)")
     parser.add_argument("--modes", default=",".join(MODES), help="of: " + ", ".join(MODES) + " (default: %(default)s)")
     parser.add_argument("--batches", default="1,16,64", help="(default: %(default)s)")

@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
+from infra.bench.gpu_check import ONE_B, copy_bandwidth
+from infra.bench.step_profile import profile_steps
 from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine
-from serving.engine.gpu_check import ONE_B, copy_bandwidth
 from serving.engine.quant import weight_bytes
-from serving.engine.step_profile import profile_steps
 from serving.engine.types import GenerationRequest, SamplingParams
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from serving.engine.grammar_benchmark import run_grammar_benchmark
+from infra.bench.grammar import run_grammar_benchmark
 
 
 def test_the_report_has_both_sides_and_the_grammar_share_at_every_concurrency(tiny_chat_model: Path) -> None:

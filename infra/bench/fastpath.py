@@ -4,10 +4,10 @@
   (the CUDA path), with the largest absolute difference of their outputs;
 - step metadata: a ForwardBatchBuilder kept across steps vs a new one per step;
 - CPU decode and verify attention: the model's attention over an 8-layer cache larger than the CPU's
-  caches, gather + SDPA vs the C++ kernel reading the paged cache in place (serving.engine.cpu_attention),
+  caches, gather + SDPA vs the C++ kernel reading the paged cache in place (serving.engine.kernels.cpu_attention),
   per group shape, with the largest difference of their outputs.
 
-    python -m serving.engine.fastpath_benchmark [--runs 20]
+    python -m infra.bench.fastpath [--runs 20]
 
 Runs interleave the two variants so that the machine's load of a given moment weighs on both alike. The
 FlexAttention block mask is built once per step in the engine; its time is printed apart.
@@ -24,11 +24,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from serving.engine import cpu_attention
 from serving.engine.batch import ForwardBatchBuilder, SequenceInput, build_forward_batch
+from serving.engine.kernels import cpu_attention
+from serving.engine.kernels.paged_attention import paged_attention, paged_block_mask
 from serving.engine.kv_cache import KVCache
 from serving.engine.model import Attention, ModelArgs
-from serving.engine.paged_attention import paged_attention, paged_block_mask
 
 _KV_HEADS, _N_REP, _HEAD_DIM, _BLOCK, _NUM_BLOCKS = 4, 2, 32, 16, 512  # the demo target's attention shape
 ATTENTION_CASES = ((1, 200, 1), (8, 200, 1), (16, 100, 1), (4, 200, 5))  # (sequences, context, queries)

@@ -1,4 +1,4 @@
-"""`specdeploy bench http` (infra/validation/httpbench.py): the servers it starts run the plain config, and its
+"""`specdeploy bench http` (infra/bench/http.py): the servers it starts run the plain config, and its
 figures come from both servers' real responses."""
 
 from __future__ import annotations
@@ -8,46 +8,46 @@ from pathlib import Path
 
 import pytest
 
-from infra.validation import httpbench
-from infra.validation.httpbench import HttpBenchReport, Pair, Variant, VariantResult
+from infra.bench import http
+from infra.bench.http import HttpBenchReport, Pair, Variant, VariantResult
 from serving.config import ServerConfig
 
 
 def test_a_servers_config_names_the_model_paths_and_nothing_that_bears_on_speed() -> None:
-    plain = httpbench.server_config(Path("/t"), Path("/d"), httpbench.plain_variant(), 8123, 96)
+    plain = http.server_config(Path("/t"), Path("/d"), http.plain_variant(), 8123, 96)
     assert plain["model"] == {"path": "/t"}
     assert plain["speculative"] == {"enabled": True, "method": "draft", "draft_model": "/d"}
     assert set(plain["scheduler"]) == {"request_timeout_s", "max_output_len"}  # limits, not speed settings
     config = ServerConfig.model_validate(plain)  # the server takes it as it is, every other key at its default
     assert config.model.dtype == "auto" and config.model.num_threads == "auto"
     assert config.speculative.num_draft_tokens == 12 and config.speculative.draft_token_map == "auto"
-    off = httpbench.server_config(Path("/t"), Path("/d"), Variant("off"), 8124, 96)
+    off = http.server_config(Path("/t"), Path("/d"), Variant("off"), 8124, 96)
     assert "speculative" not in off and not ServerConfig.model_validate(off).speculative.enabled
 
 
 def test_the_matrix_covers_k_token_map_and_proposer() -> None:
-    variants = httpbench.matrix_variants((4, 8, 12))
+    variants = http.matrix_variants((4, 8, 12))
     assert len(variants) == 9
     draft = {(v.speculative["num_draft_tokens"], v.speculative["draft_token_map"]) for v in variants
              if v.speculative["method"] == "draft"}
     assert draft == {(k, m) for k in (4, 8, 12) for m in ("auto", "none")}
     assert {v.speculative["num_draft_tokens"] for v in variants if v.speculative["method"] == "ngram"} == {4, 8, 12}
     for v in variants:
-        ServerConfig.model_validate(httpbench.server_config(Path("/t"), Path("/d"), v, 1, 96))
+        ServerConfig.model_validate(http.server_config(Path("/t"), Path("/d"), v, 1, 96))
 
 
 def test_the_server_environment_drops_thread_variables_and_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("SPECDEPLOY__MODEL__DTYPE", "bf16")
-    env = httpbench.clean_environment()
+    env = http.clean_environment()
     assert "OMP_NUM_THREADS" not in env and "SPECDEPLOY__MODEL__DTYPE" not in env
 
 
 def test_held_out_prompts_are_spread_over_the_set_and_a_bad_count_is_named() -> None:
-    prompts = httpbench.held_out_prompts(8)
+    prompts = http.held_out_prompts(8)
     assert len(set(prompts)) == 8
     with pytest.raises(ValueError, match="--prompts 400"):
-        httpbench.held_out_prompts(400)
+        http.held_out_prompts(400)
 
 
 def test_the_summary_reports_the_worst_loaded_ratio_and_the_c1_figures() -> None:
@@ -56,10 +56,10 @@ def test_the_summary_reports_the_worst_loaded_ratio_and_the_c1_figures() -> None
                                                             Pair(16, 1000.0, 990.0)]))
     report.results.append(VariantResult(Variant("b"), "y", [Pair(64, 2000.0, 1900.0)]))
     report.threads_c1_ratio = {1: 1.0, 2: 1.4}
-    summary = httpbench.summary(report)
+    summary = http.summary(report)
     assert summary == {"worst_loaded_ratio": 0.95, "c1_speedup": 2.5, "c1_p99_ratio": 0.45, "identical": "8/8",
                        "threads_ratio": 1.0}
-    assert json.loads(httpbench.dumps(report))["summary"] == summary
+    assert json.loads(http.dumps(report))["summary"] == summary
 
 
 @pytest.mark.slow
@@ -69,7 +69,7 @@ def test_the_plain_run_measures_both_servers_through_http(tmp_path: Path) -> Non
     from serving.demo import draft_path, target_path
 
     lines: list[str] = []
-    report = httpbench.run_plain(target_path(), draft_path(), [1, 2], 12, 2, 1, False, tmp_path, lines.append)
+    report = http.run_plain(target_path(), draft_path(), [1, 2], 12, 2, 1, False, tmp_path, lines.append)
     (result,) = report.results
     assert [p.concurrency for p in result.pairs] == [1, 2]
     c1 = result.pairs[0]
