@@ -253,11 +253,22 @@ class LLMEngine:
 
         The one admission check: every limit of the engine is tested here, once per request.
         queued_elsewhere: requests admitted but not yet in the scheduler's queue (the async wrapper's)."""
+        params, n_prompt = request.params, len(request.prompt_token_ids)
+        # The one context-length check (the server's errors are this one's). A prompt that fills the context leaves
+        # no room for a token to generate, unless the request only scores it.
+        total = n_prompt + params.max_tokens
+        scoring_only = params.max_tokens == 0 and params.prompt_logprobs is not None
+        no_room = n_prompt >= self.max_model_len and params.max_tokens < 1 and not scoring_only
+        if total > self.max_model_len or no_room:
+            raise RequestRejected(
+                "never_fits",
+                f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the context length "
+                f"{self.max_model_len}", param="max_tokens",
+            )
         try:
-            request.params.validate()
+            params.validate()
         except ValueError as exc:
             raise RequestRejected("invalid", str(exc)) from exc
-        n_prompt = len(request.prompt_token_ids)
         if n_prompt == 0:
             raise RequestRejected("invalid", "prompt is empty")
         if any(not 0 <= t < self.args.vocab_size for t in request.prompt_token_ids):
@@ -266,13 +277,6 @@ class LLMEngine:
             raise RequestRejected("invalid", f"logit_bias has token ids outside [0, {self.args.vocab_size})")
         if request.params.stop and self.tokenizer is None:
             raise RequestRejected("invalid", "stop strings need a tokenizer; this model has none")
-        total = n_prompt + request.params.max_tokens
-        if total > self.max_model_len:
-            raise RequestRejected(
-                "never_fits",
-                f"prompt ({n_prompt} tokens) + max_tokens ({request.params.max_tokens}) = {total} exceeds "
-                f"the maximum context length {self.max_model_len}",
-            )
         lookahead = self.config.speculative.num_draft_tokens if self.config.speculative.enabled else 0
         needed = self.blocks.blocks_for(total + lookahead)
         if needed > self.blocks.num_blocks:

@@ -10,6 +10,14 @@ from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort"]
 
+# The bounds of a request's sampling fields, defined once: SamplingParams.validate checks them and the API's
+# request schemas (serving/api/schemas.py) declare them.
+TEMPERATURE_RANGE = (0.0, 2.0)
+TOP_P_RANGE = (0.0, 1.0)  # (low, high]: a nucleus keeps some mass
+MIN_TOP_K = -1  # -1 and 0: off
+PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty, frequency_penalty
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+MAX_LOGPROBS = 20  # top-n of logprobs and prompt_logprobs
 SEED_RANGE = (-(2**63), 2**63 - 1)  # what torch.Generator.manual_seed accepts as a signed 64-bit seed
 # Below this a temperature divides logits to inf/nan (5e-324 -> 0 in fp32); it is argmax in all but name.
 MIN_TEMPERATURE = 1e-5
@@ -34,26 +42,29 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field."""
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
+        if not TEMPERATURE_RANGE[0] <= self.temperature <= TEMPERATURE_RANGE[1]:
+            raise ValueError(f"temperature must be between {TEMPERATURE_RANGE[0]:g} and {TEMPERATURE_RANGE[1]:g}, "
+                             f"got {self.temperature}")
+        if not TOP_P_RANGE[0] < self.top_p <= TOP_P_RANGE[1]:
+            raise ValueError(f"top_p must be in ({TOP_P_RANGE[0]:g}, {TOP_P_RANGE[1]:g}], got {self.top_p}")
+        if self.top_k < MIN_TOP_K:
             raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
         if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
             raise ValueError(f"max_tokens must be >= 1 (0 only with prompt_logprobs), got {self.max_tokens}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            raise ValueError(f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be between -2 and 2, got {getattr(self, name)}")
+            if not PENALTY_RANGE[0] <= getattr(self, name) <= PENALTY_RANGE[1]:
+                raise ValueError(f"{name} must be between {PENALTY_RANGE[0]:g} and {PENALTY_RANGE[1]:g}, "
+                                 f"got {getattr(self, name)}")
         for token, bias in self.logit_bias.items():
             if not isinstance(token, int) or token < 0:
                 raise ValueError(f"logit_bias keys must be non-negative token ids, got {token!r}")
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias[{token}] must be between -100 and 100, got {bias}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+            if not LOGIT_BIAS_RANGE[0] <= bias <= LOGIT_BIAS_RANGE[1]:
+                raise ValueError(f"logit_bias[{token}] must be between {LOGIT_BIAS_RANGE[0]:g} and "
+                                 f"{LOGIT_BIAS_RANGE[1]:g}, got {bias}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -119,10 +130,11 @@ class RequestRejected(Exception):
     "queue_full" / "unavailable" → 429 / 503 (retry later).
     """
 
-    def __init__(self, kind: RejectionKind, message: str) -> None:
+    def __init__(self, kind: RejectionKind, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.kind: RejectionKind = kind
         self.reason = message
+        self.param = param  # the request field at fault, where one is (the API's error names it)
 
     @property
     def retryable(self) -> bool:
