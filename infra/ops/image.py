@@ -11,9 +11,8 @@ from NVIDIA's CUDA base and PyTorch's CUDA wheels instead (needs a registry and 
 ``specdeploy image push --stack NAME``: push a built image to the stack's ECR repository, print the
 digest ECR stored, and optionally pin it as a release slot's image in the stack file.
 
-Podman's storage and configuration live in one persistent directory of ours (``$SPECDEPLOY_PODMAN_DIR``,
-default /var/tmp/specdeploy-podman), so a fresh checkout reuses the layer cache; the host's networking is
-never changed (host network only: no bridge, no iptables rules).
+Podman runs as infra/runtime/podman.py configures it: storage and configuration under one persistent
+directory of ours, the host network only.
 """
 
 from __future__ import annotations
@@ -35,10 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from infra.runtime.podman import PODMAN_DIR, PodmanError, image_exists, podman
+
 logger = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
-PODMAN_DIR = Path(os.environ.get("SPECDEPLOY_PODMAN_DIR", "/var/tmp/specdeploy-podman"))
 IMAGE = "localhost/specdeploy-server:cpu"
 BASE_IMAGE = "localhost/specdeploy-base:bookworm"
 SUITE = "bookworm"  # Debian 12: python3 is 3.11, the only CPU torch wheel the machines carry is cp311
@@ -65,7 +65,7 @@ SECRET_PATTERNS = re.compile(rb"(AKIA[0-9A-Z]{16}|sk-local-[A-Za-z0-9_-]{20,}|--
 SECRET_SCAN_ROOTS = ("etc/", "home/", "root/", "opt/specdeploy/app/", "tmp/", "run/")
 
 
-class ImageError(Exception):
+class ImageError(PodmanError):
     """An image step failed; the message says which and why."""
 
 
@@ -89,68 +89,6 @@ VARIANTS = {
     "cuda": Variant("cuda", "docker.io/nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04",
                     "https://download.pytorch.org/whl/cu126", CUDA_SIZE_BUDGET_BYTES),
 }
-
-
-# ---- podman, configured under our own directory ------------------------------------------------------
-
-
-def podman_env() -> dict[str, str]:
-    """The environment podman and buildah run with: storage and config files under PODMAN_DIR."""
-    write_podman_config()
-    env = dict(os.environ)
-    env["CONTAINERS_STORAGE_CONF"] = str(PODMAN_DIR / "storage.conf")
-    env["CONTAINERS_REGISTRIES_CONF"] = str(PODMAN_DIR / "registries.conf")
-    env["CONTAINERS_CONF"] = str(PODMAN_DIR / "containers.conf")
-    return env
-
-
-def write_podman_config() -> None:
-    PODMAN_DIR.mkdir(parents=True, exist_ok=True)
-    nofile = _hard_nofile()
-    files = {
-        "storage.conf": (f'[storage]\ndriver = "overlay"\ngraphroot = "{PODMAN_DIR / "storage"}"\n'
-                         f'runroot = "{PODMAN_DIR / "run"}"\n'),
-        # Nothing is ever pulled: no search registries, short names refused.
-        "registries.conf": 'unqualified-search-registries = []\nshort-name-mode = "disabled"\n',
-        # crun fails here (cgroups hybrid mode); rootful default ulimits exceed what we may set;
-        # the host network leaves the host's interfaces and iptables alone.
-        "containers.conf": (f'[containers]\nnetns = "host"\n'
-                            f'default_ulimits = ["nofile={nofile}:{nofile}", "nproc=32768:32768"]\n'
-                            f'[engine]\nruntime = "runc"\n'),
-    }
-    for name, text in files.items():
-        path = PODMAN_DIR / name
-        if not path.is_file() or path.read_text() != text:
-            path.write_text(text)
-
-
-def _hard_nofile() -> int:
-    import resource
-
-    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    return hard if hard != resource.RLIM_INFINITY else 1048576
-
-
-def podman(*args: str, check: bool = True, capture: bool = False, timeout: float | None = None,
-           stdin: str | None = None) -> str:
-    """Run podman with our configuration; the error names the command and shows its output.
-
-    ``stdin`` is written to podman's standard input (a registry password, never an argument)."""
-    if shutil.which("podman") is None:
-        raise ImageError("podman is not installed (`make image` installs it from Debian)")
-    result = subprocess.run(["podman", *args], env=podman_env(), text=True, timeout=timeout, input=stdin,
-                            stdout=subprocess.PIPE if capture else None,
-                            stderr=subprocess.PIPE if capture else None)
-    if check and result.returncode != 0:
-        detail = (result.stderr or "").strip()[-2000:] if capture else "see the output above"
-        raise ImageError(f"podman {' '.join(args[:2])} failed (exit {result.returncode}): {detail}")
-    return result.stdout or ""
-
-
-def image_exists(name: str = IMAGE) -> bool:
-    if shutil.which("podman") is None:
-        return False
-    return subprocess.run(["podman", "image", "exists", name], env=podman_env()).returncode == 0
 
 
 # ---- tools and base image ------------------------------------------------------------------------------
@@ -555,7 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         code: int = args.func(args)
-    except ImageError as exc:
+    except PodmanError as exc:  # ImageError included
         sys.stderr.write(f"image: error: {exc}\n")
         return 1
     return code

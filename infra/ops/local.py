@@ -4,11 +4,10 @@
 directory → render the server config from the stack → start ``specdeploy serve`` in the
 background on loopback (pid and log under the state directory) → wait for /ready.
 ``down``: SIGTERM (the server drains), wait, and clean up. ``status``: process, /health, /ready.
-With ``local.runtime: container`` the server is the image instead (infra/ops/local_container.py):
-the same weights, config and key file, mounted read-only; ``down`` is ``podman stop``.
-
-Relative paths in the stack file (state_dir, file:// URIs) are relative to the repository
-checkout, i.e. the parent of the stacks directory.
+With ``local.runtime: container`` the server is the image instead (infra/runtime/container.py):
+the same weights, config and key file, mounted read-only; ``down`` is ``podman stop``. Both
+runtimes start, wait for and drain the server through infra/runtime/; the state directory's
+layout is infra/runtime/state.py.
 """
 
 from __future__ import annotations
@@ -18,20 +17,19 @@ import logging
 import os
 import secrets
 import shutil
-import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from infra.config import SECRET_MASK, StackConfig, StackFile, render_server_config
-
-if TYPE_CHECKING:
-    from infra.ops.local_container import ServerContainer
+from infra.runtime.container import API_KEYS_MOUNT, MODELS_MOUNT, ServerContainer
+from infra.runtime.podman import PodmanError
+from infra.runtime.process import ServerProcess, alive, run_as, serves_config, stop_pid
+from infra.runtime.state import checkout_of, container_name, local_paths
 
 logger = logging.getLogger(__name__)
 
@@ -44,31 +42,6 @@ NOBODY = 65534  # uid/gid the local server drops to when started by root
 
 class LocalError(Exception):
     """A local deployment step failed; the message says which and why."""
-
-
-@dataclass(frozen=True)
-class LocalPaths:
-    state_dir: Path
-
-    @property
-    def pid_file(self) -> Path:
-        return self.state_dir / "server.pid"
-
-    @property
-    def log_file(self) -> Path:
-        return self.state_dir / "server.log"
-
-    @property
-    def server_config(self) -> Path:
-        return self.state_dir / "server.yaml"
-
-    @property
-    def api_keys_file(self) -> Path:
-        return self.state_dir / "api_keys"
-
-    @property
-    def models_dir(self) -> Path:
-        return self.state_dir / "models"
 
 
 @dataclass(frozen=True)
@@ -91,22 +64,16 @@ class LocalDeployment:
                              "use `pulumi up` for it (this command runs platform `local` stacks)")
         self.stack = stack
         self.config: StackConfig = stack.config
-        self.root = stack.path.resolve().parent.parent
-        self.paths = LocalPaths(self._local_path(self.config.local.state_dir))
+        self.root = checkout_of(stack)
+        self.paths = local_paths(stack)
         self._process: subprocess.Popen[bytes] | None = None  # set when this object started the server
         self.container: ServerContainer | None = None
         if self.config.local.runtime == "container":
-            from infra.ops.local_container import ServerContainer
-
-            self.container = ServerContainer(name=f"specdeploy-{stack.name}", image=self.config.local.image,
+            self.container = ServerContainer(name=container_name(stack), image=self.config.local.image,
                                              drain_grace_s=self.config.service.drain_grace_s,
                                              port=self.config.service.port)
 
-    # ---- paths and URIs ----------------------------------------------------------------------------
-
-    def _local_path(self, value: str) -> Path:
-        path = Path(value)
-        return path if path.is_absolute() else self.root / path
+    # ---- URIs --------------------------------------------------------------------------------------
 
     def _absolute_uri(self, uri: str) -> str:
         """file://relative → file:///<checkout>/relative, so nothing depends on the working directory."""
@@ -134,8 +101,6 @@ class LocalDeployment:
         self._write_api_keys()
         keys_file = str(self.paths.api_keys_file)
         if self.container is not None:  # the paths the server sees inside the container
-            from infra.ops.local_container import API_KEYS_MOUNT, MODELS_MOUNT
-
             target_local = Path(MODELS_MOUNT) / target_local.relative_to(self.paths.models_dir)
             if draft_local is not None:
                 draft_local = Path(MODELS_MOUNT) / draft_local.relative_to(self.paths.models_dir)
@@ -183,20 +148,14 @@ class LocalDeployment:
 
     def api_key(self) -> str | None:
         """The first key in the local key file (for the printed example)."""
-        try:
-            first = self.paths.api_keys_file.read_text().splitlines()[0]
-        except (OSError, IndexError):
-            return None
-        return first.split(":")[1] if ":" in first else None
+        return self.paths.api_key()
 
     def _start_server(self) -> None:
         if self.container is not None:
-            from infra.ops.image import ImageError
-
             try:
                 pid = self.container.start(self.paths.models_dir, self.paths.server_config,
                                            self.paths.api_keys_file, self.paths.log_file)
-            except ImageError as exc:
+            except PodmanError as exc:
                 raise LocalError(str(exc)) from exc
             self.paths.pid_file.write_text(f"{pid}\n")
             logger.info("server container %s started (pid %d), log %s", self.container.name, pid, self.paths.log_file)
@@ -204,20 +163,16 @@ class LocalDeployment:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEPLOY")}
         env["SPECDEPLOY_ENV"] = "production"
         env["PYTHONUNBUFFERED"] = "1"
-        command = [sys.executable, "-m", "infra.ops.cli.main", "serve", "--config", str(self.paths.server_config)]
+        wrapper: list[str] = []
         if os.geteuid() == 0 and shutil.which("setpriv"):
             # Never serve as root, even locally (the launch checks fail a root server). The state dir
             # stays root's: the unprivileged server keeps only the right to read it (the interpreter
             # may also live under root's private home), and writes nothing there.
-            from infra.validation.local_server import run_as
-
-            command = [*run_as(NOBODY, NOBODY, read_anywhere=True), *command]
-        with self.paths.log_file.open("ab") as log:
-            proc = subprocess.Popen(
-                command,
-                cwd=self.root, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,  # survives this command; `down` stops it
-            )
+            wrapper = run_as(NOBODY, NOBODY, read_anywhere=True)
+        server = ServerProcess(self.paths.server_config, self.config.service.port, env, self.paths.log_file,
+                               host=self.config.local.host, cwd=self.root, wrapper=wrapper,
+                               detach=True)  # survives this command; `down` stops it
+        proc = server.spawn()
         self._process = proc
         self.paths.pid_file.write_text(f"{proc.pid}\n")
         logger.info("server started (pid %d), log %s", proc.pid, self.paths.log_file)
@@ -255,14 +210,7 @@ class LocalDeployment:
         if pid is None:
             self.paths.pid_file.unlink(missing_ok=True)
             return False
-        wait_s = timeout_s if timeout_s is not None else self.config.service.drain_grace_s + 15
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + wait_s
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if _alive(pid):
-            logger.warning("server (pid %d) still running after %.0fs: killing it", pid, wait_s)
-            os.kill(pid, signal.SIGKILL)
+        stop_pid(pid, timeout_s if timeout_s is not None else self.config.service.drain_grace_s + 15)
         self.paths.pid_file.unlink(missing_ok=True)
         return True
 
@@ -283,7 +231,7 @@ class LocalDeployment:
             return None
         if self._process is not None and self._process.pid == pid:  # started by this object
             return pid if self._process.poll() is None else None
-        if not _alive(pid) or not _is_our_server(pid, self.paths.server_config):
+        if not alive(pid) or not serves_config(pid, self.paths.server_config):
             return None
         return pid
 
@@ -298,31 +246,6 @@ class LocalDeployment:
             return "\n".join(self.paths.log_file.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        waited, _ = os.waitpid(pid, os.WNOHANG)  # reap it if it is our own exited child
-        if waited == pid:
-            return False
-    except ChildProcessError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _is_our_server(pid: int, config_path: Path) -> bool:
-    """Guard against a recycled pid: the process must be `serve` with our config file."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return True  # no /proc (macOS): trust the pid file
-    return b"serve" in cmdline and str(config_path).encode() in cmdline
 
 
 def _get_json(url: str) -> dict[str, Any] | None:

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from infra.config import load_stack, project_dir
+from infra.runtime.podman import podman_env
+from infra.runtime.state import container_name, local_paths
 from infra.validation.profiles import get_profile
 from infra.validation.record import REPORT_HTML, REPORT_JSON, REPORT_MD
 
@@ -65,10 +67,7 @@ def local_api_key(stack: str) -> str | None:
     stack_file = load_stack(stack)
     if stack_file.config.platform != "local":
         return None
-    from infra.ops.local import LocalDeployment
-
-    key: str | None = LocalDeployment(stack_file).api_key()
-    return key
+    return local_paths(stack_file).api_key()
 
 
 def default_hosts(stack: str) -> list[str]:
@@ -79,21 +78,15 @@ def default_hosts(stack: str) -> list[str]:
     if stack_file.config.platform != "local":
         return []
     if stack_file.config.local.runtime == "container":
-        from infra.ops.local import LocalDeployment
-
-        container = LocalDeployment(stack_file).container
-        assert container is not None
-        return [f"podman://{container.name}"]
+        return [f"podman://{container_name(stack_file)}"]
     return ["local://"]
 
 
 def container_environment(hosts: Sequence[str]) -> dict[str, str]:
     """What `podman exec` needs to find our containers (storage and config under the project's podman
-    directory, infra/ops/image.py) when a host is ``podman://``; empty otherwise."""
+    directory, infra/runtime/podman.py) when a host is ``podman://``; empty otherwise."""
     if not any(spec.startswith("podman://") for spec in hosts):
         return {}
-    from infra.ops.image import podman_env
-
     env = podman_env()
     return {key: env[key] for key in ("CONTAINERS_STORAGE_CONF", "CONTAINERS_REGISTRIES_CONF", "CONTAINERS_CONF")}
 

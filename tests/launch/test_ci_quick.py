@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 
 from infra.config import load_stack, render_server_config
+from infra.runtime.process import ServerProcess, run_as
 from infra.validation import run_validation
-from infra.validation.local_server import ServerProcess, run_as
 from serving.net import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

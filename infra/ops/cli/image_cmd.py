@@ -52,7 +52,7 @@ def _image_step(name: str) -> Any:
 
         try:
             code: int = getattr(image, name)(args)
-        except image.ImageError as exc:
+        except image.PodmanError as exc:  # ImageError included
             raise CommandError(str(exc)) from exc
         return code
 
@@ -63,8 +63,9 @@ def _push(args: argparse.Namespace) -> int:
     import boto3
 
     from infra.config import load_stack
-    from infra.ops.image import VARIANTS, ImageError, pin_slot, push, push_target, remote_tag
+    from infra.ops.image import VARIANTS, pin_slot, push, push_target, remote_tag
     from infra.program.aws_args import repository_name
+    from infra.runtime.podman import PodmanError
 
     stack = load_stack(args.stack, args.stacks_dir)
     config = stack.config
@@ -90,6 +91,6 @@ def _push(args: argparse.Namespace) -> int:
             changed = pin_slot(stack.path, slot, pushed.image)
             sys.stdout.write(f"{stack.path}: release.{slot}.image "
                              f"{'pinned to' if changed else 'already'} {pushed.image}\n")
-    except ImageError as exc:
+    except PodmanError as exc:  # ImageError included
         raise CommandError(str(exc)) from exc
     return 0

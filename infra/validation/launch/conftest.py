@@ -420,12 +420,12 @@ def ab_arms(request: pytest.FixtureRequest, options: LaunchOptions, endpoint: st
     import testinfra
 
     from infra.validation.hostfacts import server_pid
-    from infra.validation.local_server import TwinUnavailable, start_twin
+    from infra.validation.twin import start_process_twin
 
     pid = server_pid(testinfra.get_host("local://"), server_port)
     if pid is None:
         pytest.skip(f"cannot tell which local process serves port {server_port}")
-    twin = _twin_or_skip(start_twin, TwinUnavailable, pid, flipped, tmp_path_factory)
+    twin = _twin_or_skip(start_process_twin, pid, flipped, tmp_path_factory)
     method = (f"two servers on this host: the deployed one and a twin started from its config file and "
               f"environment with only SPECDEPLOY__SPECULATIVE__ENABLED={flipped} (port {twin.port}); the "
               f"server has no runtime switch, and a twin changes exactly one setting. Phases alternate ABBA, "
@@ -433,13 +433,14 @@ def ab_arms(request: pytest.FixtureRequest, options: LaunchOptions, endpoint: st
     yield from _arms_with_twin(twin, method, deployed_on, endpoint, launch_run)
 
 
-def _twin_or_skip(start_twin: Any, unavailable: type[Exception], deployed: Any, flipped: str,
-                  tmp_path_factory: pytest.TempPathFactory) -> Any:
+def _twin_or_skip(start_twin: Any, deployed: Any, flipped: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """A twin of the deployed server (process or container) with only speculation flipped, or a skip saying why."""
+    from infra.validation.twin import TwinUnavailable
+
     log = tmp_path_factory.mktemp("ab") / "twin.log"
     try:
         return start_twin(deployed, {"SPECDEPLOY__SPECULATIVE__ENABLED": flipped}, log)
-    except unavailable as exc:
+    except TwinUnavailable as exc:
         pytest.skip(f"no A/B possible: {exc}")
 
 
@@ -456,9 +457,9 @@ def _arms_with_twin(twin: Any, method: str, deployed_on: bool, endpoint: str,
 def _container_ab_arms(container: str, flipped: str, deployed_on: bool, endpoint: str, launch_run: LaunchRun,
                        tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, str]]:
     """The A/B of a server in a container: a twin container of the same image, mounts and settings."""
-    from infra.ops.local_container import TwinUnavailable, start_twin
+    from infra.validation.twin import start_container_twin
 
-    twin = _twin_or_skip(start_twin, TwinUnavailable, container, flipped, tmp_path_factory)
+    twin = _twin_or_skip(start_container_twin, container, flipped, tmp_path_factory)
     method = (f"two containers on this host: the deployed {container} and a twin of the same image, mounts "
               f"and settings with only SPECDEPLOY__SPECULATIVE__ENABLED={flipped} ({twin.endpoint}); the server "
               f"has no runtime switch, and a twin changes exactly one setting. Phases alternate ABBA, one server "

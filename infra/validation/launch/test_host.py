@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from infra.validation import hostfacts
-from infra.validation.local_server import config_path_of
+from infra.runtime.process import config_path_of
 from serving.config import TOKEN_MAP_NAME
 
 pytestmark = pytest.mark.launch

@@ -1,4 +1,7 @@
-"""The local platform's `container` runtime: the server image under podman, on the host network.
+"""The server image as a container on this machine, under podman, on the host network.
+
+The local platform's `container` runtime (infra/ops/local.py) runs one; the launch checks' speculative
+A/B runs a twin of it.
 
 The verified weights directory is mounted read-only at /data/models, the rendered config at
 $SPECDEPLOY_CONFIG, the API key file at /run/secrets/api_keys (owned by the image's user, mode 0600);
@@ -8,17 +11,14 @@ grace (plus a margin for the interpreter to exit): SIGTERM drains in-flight requ
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
 import subprocess
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from infra.ops.image import ImageError, image_exists, podman, podman_env
+from infra.runtime.podman import PodmanError, image_exists, podman, podman_env
 
 IMAGE_UID = 10001  # the image's USER (serving/Dockerfile)
 MODELS_MOUNT = "/data/models"
@@ -44,7 +44,7 @@ class ServerContainer:
     def start(self, models_dir: Path, server_config: Path, api_keys_file: Path, log_file: Path) -> int:
         """Run the image detached; the host pid of its server process."""
         if not image_exists(self.image):
-            raise ImageError(f"image {self.image} not found: build it with `make image`")
+            raise PodmanError(f"image {self.image} not found: build it with `make image`")
         self.remove()  # a stopped container left by an earlier run
         if os.geteuid() == 0:
             os.chown(api_keys_file, IMAGE_UID, IMAGE_UID)  # still 0600: readable by the server's uid alone
@@ -62,7 +62,7 @@ class ServerContainer:
         )
         state = self.state()
         if state.pid is None:
-            raise ImageError(f"container {self.name} exited at once (exit code {state.exit_code})")
+            raise PodmanError(f"container {self.name} exited at once (exit code {state.exit_code})")
         return state.pid
 
     @property
@@ -98,10 +98,6 @@ class ServerContainer:
         return result.returncode == 0
 
 
-class TwinUnavailable(RuntimeError):
-    """The deployed container's config cannot run with the override (e.g. speculation on, no draft model)."""
-
-
 @dataclass(frozen=True)
 class TwinContainer:
     """A second container of a deployed one's image, mounts and settings, differing in chosen settings."""
@@ -113,49 +109,3 @@ class TwinContainer:
     def stop(self) -> None:
         podman("stop", "--time", str(self.stop_timeout_s), self.name, check=False, capture=True)
         podman("rm", "--force", "--ignore", self.name, check=False, capture=True)
-
-
-def start_twin(container: str, overrides: Mapping[str, str], log_file: Path,
-               ready_timeout_s: float = 180) -> TwinContainer:
-    """Run a twin of the running container ``container``: its image, its mounts (read-only as they
-    were), its ``SPECDEPLOY*`` environment plus ``overrides``, on a free loopback port of the host
-    network. For the local stack's speculative A/B: the server has no runtime switch for speculation."""
-    from serving.config import ConfigError, load_server_config
-    from serving.net import NotReady, free_port, wait_until_ready
-
-    found = json.loads(podman("container", "inspect", container, capture=True))
-    if not found or not found[0].get("State", {}).get("Running"):
-        raise TwinUnavailable(f"container {container} is not running")
-    data: dict[str, Any] = found[0]
-    env = dict(item.partition("=")[::2] for item in data["Config"].get("Env") or [])
-    env = {key: value for key, value in env.items() if key.startswith("SPECDEPLOY")}
-    port = free_port()
-    env.update(overrides)
-    env["SPECDEPLOY__SERVICE__PORT"] = str(port)
-    mounts = data.get("Mounts") or []
-    config_inside = env.get("SPECDEPLOY_CONFIG", CONFIG_MOUNT)
-    config_host = next((Path(m["Source"]) for m in mounts if m["Destination"] == config_inside), None)
-    if config_host is None:
-        raise TwinUnavailable(f"container {container} has no config file mounted at {config_inside}")
-    try:
-        config = load_server_config(config_host, env)
-    except ConfigError as exc:
-        raise TwinUnavailable(f"{config_host} with {dict(overrides)} is not a valid server config: {exc}") from exc
-    name = f"{container}-twin"
-    podman("rm", "--force", "--ignore", name, check=False, capture=True)
-    volumes = [item for m in mounts
-               for item in ("--volume", f"{m['Source']}:{m['Destination']}{'' if m.get('RW') else ':ro'}")]
-    image = data.get("ImageName") or data["Image"]
-    stop_timeout = math.ceil(config.service.drain_grace_s) + STOP_MARGIN_S
-    podman("run", "--detach", "--name", name, "--network", "host", "--stop-timeout", str(stop_timeout),
-           *volumes, *(item for key, value in sorted(env.items()) for item in ("--env", f"{key}={value}")),
-           "--log-driver", "k8s-file", "--log-opt", f"path={log_file}", image, capture=True)
-    host = "127.0.0.1" if config.service.host in ("0.0.0.0", "::", "") else config.service.host
-    twin = TwinContainer(name=name, endpoint=f"http://{host}:{port}", stop_timeout_s=stop_timeout)
-    try:
-        wait_until_ready(twin.endpoint, ready_timeout_s)
-    except NotReady as exc:
-        twin.stop()
-        tail = log_file.read_text(encoding="utf-8", errors="replace")[-2000:] if log_file.is_file() else ""
-        raise RuntimeError(f"twin container {name}: {exc}\n--- its log ---\n{tail}") from exc
-    return twin

@@ -5,7 +5,6 @@ import socket
 from pathlib import Path
 
 from infra.validation.hostfacts import Listener, listeners, parse_proc_net_tcp, plaintext_secrets, server_pid
-from infra.validation.local_server import config_path_of, run_as
 from infra.validation.runner import pytest_command
 
 # /proc/net/tcp and tcp6: 127.0.0.1:8000 and 0.0.0.0:22 listening, one established, [::]:8000 and [::1]:53
@@ -37,18 +36,6 @@ def test_the_server_behind_a_port_is_found_on_this_machine() -> None:
         host = testinfra.get_host("local://")
         assert [(e.address, e.port) for e in listeners(host, port)] == [("127.0.0.1", port)]
         assert server_pid(host, port) == os.getpid()
-
-
-def test_config_path_comes_from_the_command_line_or_the_environment() -> None:
-    argv = ["python", "-m", "infra.ops.cli.main", "serve", "--config", "state/server.yaml"]
-    assert config_path_of(argv, {}, Path("/repo")) == Path("/repo/state/server.yaml")
-    assert config_path_of(["serve"], {"SPECDEPLOY_CONFIG": "/etc/s.yaml"}) == Path("/etc/s.yaml")
-    assert config_path_of(["serve"], {}) is None
-
-
-def test_run_as_drops_to_the_user_and_keeps_only_read_search_when_asked() -> None:
-    assert run_as(65534, 65534) == ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
-    assert "--ambient-caps=+dac_read_search" in run_as(1, 1, read_anywhere=True)
 
 
 def test_runner_runs_only_launch_checks_with_a_timeout_covering_the_profile(tmp_path: Path) -> None:
