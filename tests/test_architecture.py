@@ -171,3 +171,85 @@ def test_the_checker_catches(path: str, source: str, rule: str) -> None:
 ])
 def test_the_checker_allows(path: str, source: str) -> None:
     assert violations([_module(path, source)]) == []
+
+
+# ---- infra/'s layers: every infra module imports only from its own layer or the layers below ----------
+#
+# Top to bottom. Module level and function level alike: a function-level import still ties the lower
+# layer to the upper one (a launch check that imports the operator CLI cannot run without it).
+INFRA_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("ops", ("infra.ops",)),  # the specdeploy CLI, the local platform, blue/green release
+    ("bench", ("infra.bench",)),  # the benchmarks and their harness
+    ("validation", ("infra.validation",)),  # the launch checks
+    ("policy", ("infra.policy",)),  # the policy pack, over the program's recorded resources
+    ("program", ("infra.program", "infra.__main__")),  # the Pulumi program and its offline preview
+    ("components", ("infra.components",)),  # one ComponentResource per file
+    ("runtime", ("infra.runtime",)),  # servers on this machine: processes, containers, podman
+    ("domain", ("infra.capacity", "infra.catalog", "infra.alerts", "infra.offerings", "infra.config_reference")),
+    ("config", ("infra.config",)),  # the stack config: the schema every layer reads
+)
+
+
+def infra_layer(module: str) -> int | None:
+    """The rank of ``module``'s layer, 0 the top; None for infra itself and anything outside infra."""
+    for rank, (_, prefixes) in enumerate(INFRA_LAYERS):
+        if _within(module, prefixes):
+            return rank
+    return None
+
+
+def layer_breaks(path: str, imp: Import) -> str | None:
+    """The layer rule ``imp`` (in the module at ``path``) breaks, if it reaches upward."""
+    if not path.startswith("infra/"):
+        return None
+    here, there = infra_layer(_module_name(REPO / path, REPO)), infra_layer(imp.module)
+    if here is None or there is None or there >= here:
+        return None
+    return f"infra/ imports downward only: {INFRA_LAYERS[here][0]} may not import {INFRA_LAYERS[there][0]}"
+
+
+def layer_violations(modules: list[Module]) -> list[str]:
+    found: dict[tuple[str, int], str] = {}
+    for module in modules:
+        for imp in module.imports:
+            rule = layer_breaks(module.path, imp)
+            if rule is not None:
+                found.setdefault((module.path, imp.line), f"{module.path}:{imp.line}: {rule} ({imp.module})")
+    return list(found.values())
+
+
+def test_every_infra_module_has_a_layer() -> None:
+    unplaced = [m.path for m in MODULES if m.path.startswith("infra/") and m.path != "infra/__init__.py"
+                and infra_layer(_module_name(REPO / m.path, REPO)) is None]
+    assert unplaced == []
+
+
+def test_infra_imports_follow_the_layer_order() -> None:
+    assert layer_violations(MODULES) == []
+
+
+@pytest.mark.parametrize(("path", "source", "rule"), [
+    ("infra/policy/offline.py", "from infra.ops.preview import RecordedResource\n", "policy may not import ops"),
+    ("infra/validation/runner.py", "def key():\n    from infra.ops.local import LocalDeployment\n",
+     "validation may not import ops"),
+    ("infra/validation/launch/conftest.py", "def twin():\n    from ...ops import local_container\n",
+     "validation may not import ops"),
+    ("infra/runtime/process.py", "from infra.validation import hostfacts\n", "runtime may not import validation"),
+    ("infra/config/x.py", "from infra.capacity import plan\n", "config may not import domain"),
+    ("infra/components/aws/x.py", "from infra.program.aws_args import AwsArgs\n",
+     "components may not import program"),
+])
+def test_the_layer_checker_catches(path: str, source: str, rule: str) -> None:
+    found = layer_violations([_module(path, source)])
+    assert len(found) == 1 and rule in found[0] and found[0].startswith(f"{path}:"), found
+
+
+@pytest.mark.parametrize(("path", "source"), [
+    ("infra/ops/cli/x.py", "def run():\n    from infra.validation import run_validation\n"),
+    ("infra/validation/runner.py", "from infra.runtime.state import local_paths\n"),
+    ("infra/policy/offline.py", "from infra.program.preview import RecordedResource\n"),
+    ("infra/ops/release/x.py", "from infra.config import other_slot\n"),
+    ("infra/validation/x.py", "from infra.validation.stats import percentile\n"),
+])
+def test_the_layer_checker_allows(path: str, source: str) -> None:
+    assert layer_violations([_module(path, source)]) == []
