@@ -8,7 +8,9 @@ them, which is how the CLI stays light and how `specdeploy bench` may reach the 
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+import os
+import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,6 +157,10 @@ def _module(path: str, source: str) -> Module:
     ("infra/ops/cli/x.py", "from serving.engine.engine import LLMEngine\n", "only inside the serve/bench functions"),
     ("infra/config.py", "import pulumi\n", "Pulumi is imported at module level only"),
     ("infra/ops/release/x.py", "import pulumi_aws as aws\n", "Pulumi is imported at module level only"),
+    ("serving/api/x.py", "def f():\n    from infra.bench import engine\n", "serving/ never imports infra/"),
+    ("infra/ops/cli/x.py", "from infra.bench import engine\n", "only inside the bench command's functions"),
+    ("infra/validation/x.py", "from infra.bench import http\n", "only inside the bench command's functions"),
+    ("infra/bench/x.py", "import pulumi\n", "Pulumi is imported at module level only"),
 ])
 def test_the_checker_catches(path: str, source: str, rule: str) -> None:
     found = violations([_module(path, source)])
@@ -162,7 +168,8 @@ def test_the_checker_catches(path: str, source: str, rule: str) -> None:
 
 
 @pytest.mark.parametrize(("path", "source"), [
-    ("infra/ops/cli/bench_cmd.py", "def run():\n    from serving.engine.benchmark import bench\n    import torch\n"),
+    ("infra/ops/cli/bench_cmd.py", "def run():\n    from infra.bench.engine import bench\n    import torch\n"),
+    ("infra/bench/x.py", "import torch\nfrom serving.engine import engine\nfrom infra.bench import step_profile\n"),
     ("infra/program/preview.py", "import pulumi\n"),
     ("infra/components/aws/x.py", "import pulumi_aws as aws\n"),
     ("infra/ops/x.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n"),
@@ -171,6 +178,133 @@ def test_the_checker_catches(path: str, source: str, rule: str) -> None:
 ])
 def test_the_checker_allows(path: str, source: str) -> None:
     assert violations([_module(path, source)]) == []
+
+
+# ---- The server image carries no benchmark, no infra/ and no demo ----------------------------------------
+# Its build context is the tree filtered by serving/Dockerfile.dockerignore, computed here from the patterns.
+
+IGNORE_FILE = REPO / "serving" / "Dockerfile.dockerignore"
+# Words in a module's name that say it measures rather than serves: such a module lives in infra/bench/.
+BENCH_WORDS = ("bench", "profile", "gpu_check")
+
+
+def benchmark_modules(paths: Iterable[str]) -> list[str]:
+    """The modules under serving/ among ``paths`` whose name (or a package's name above them) says benchmark."""
+    return [path for path in paths if path.startswith("serving/") and path.endswith(".py")
+            and any(word in part for part in path.removesuffix(".py").split("/")[1:] for word in BENCH_WORDS)]
+
+
+@dataclass(frozen=True)
+class IgnoreRule:
+    pattern: str
+    keep: bool  # a `!` line: puts back what an earlier line left out
+    regex: re.Pattern[str]
+
+
+def _glob(pattern: str) -> re.Pattern[str]:
+    """A .dockerignore pattern as a regex: `**` spans any number of folders, `*` and `?` stay within one."""
+    out, i = "", 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out, i = out + "(?:.*/)?", i + 3
+        elif pattern.startswith("**", i):
+            out, i = out + ".*", i + 2
+        elif pattern[i] in "*?":
+            out, i = out + ("[^/]*" if pattern[i] == "*" else "[^/]"), i + 1
+        else:
+            out, i = out + re.escape(pattern[i]), i + 1
+    return re.compile(out + r"\Z")
+
+
+def ignore_rules(text: str) -> list[IgnoreRule]:
+    """The lines of a .dockerignore file, in order; comments and blank lines dropped."""
+    rules = []
+    for line in (raw.strip() for raw in text.splitlines()):
+        if line and not line.startswith("#"):
+            pattern = line.removeprefix("!").strip("/")
+            rules.append(IgnoreRule(pattern, line.startswith("!"), _glob(pattern)))
+    return rules
+
+
+def in_context(path: str, rules: list[IgnoreRule]) -> bool:
+    """Whether the build context keeps ``path``: the last rule that matches it or one of the folders above it
+    decides (a rule on a folder covers what is in it, as in Docker's matcher); no rule, kept."""
+    parts = path.split("/")
+    candidates = ["/".join(parts[:n]) for n in range(1, len(parts) + 1)]
+    kept = True
+    for rule in rules:
+        if any(rule.regex.match(candidate) for candidate in candidates):
+            kept = rule.keep
+    return kept
+
+
+def build_context(root: Path, rules: list[IgnoreRule]) -> Iterator[str]:
+    """Every file under ``root`` the build context keeps, relative with forward slashes. A folder left out,
+    with no `!` rule that reaches inside it (.venv, .git), is not walked."""
+    reopened = [re.split(r"[*?\[]", rule.pattern)[0] for rule in rules if rule.keep]
+
+    def walk(folder: str) -> bool:
+        prefix = folder + "/"
+        return in_context(folder, rules) or any(p.startswith(prefix) or prefix.startswith(p) for p in reopened)
+
+    for directory, folders, files in os.walk(root):
+        here = Path(directory).relative_to(root).as_posix()
+        here = "" if here == "." else here + "/"
+        folders[:] = [f for f in folders if walk(here + f)]
+        yield from (here + f for f in files if in_context(here + f, rules))
+
+
+def test_no_module_under_serving_is_a_benchmark() -> None:
+    assert benchmark_modules(m.path for m in MODULES) == []
+
+
+def test_the_image_context_has_no_infra_no_demo_and_no_benchmark() -> None:
+    context = list(build_context(REPO, ignore_rules(IGNORE_FILE.read_text())))
+    assert {"pyproject.toml", "serving/main.py", "serving/engine/engine.py"} <= set(context)
+    assert [f for f in context if f.startswith(("infra/", "serving/demo/"))] == []
+    assert benchmark_modules(context) == []
+
+
+# The two checks above, on made-up names and ignore files: each must be able to fail.
+
+@pytest.mark.parametrize("path", [
+    "serving/engine/benchmark.py", "serving/engine/spec/benchmark.py", "serving/api/bench.py",
+    "serving/engine/step_profile.py", "serving/engine/gpu_check.py", "serving/bench/x.py",
+])
+def test_a_benchmark_named_module_under_serving_is_caught(path: str) -> None:
+    assert benchmark_modules([path]) == [path]
+
+
+@pytest.mark.parametrize("path", ["serving/engine/engine.py", "infra/bench/engine.py", "serving/demo/README.md"])
+def test_a_serving_module_or_a_bench_outside_serving_passes(path: str) -> None:
+    assert benchmark_modules([path]) == []
+
+
+SERVING_ONLY = "**\n!pyproject.toml\n!serving/**\nserving/demo/**\n**/__pycache__\n"
+
+
+@pytest.mark.parametrize(("ignore", "path", "kept"), [
+    (SERVING_ONLY, "serving/engine/engine.py", True),
+    (SERVING_ONLY, "pyproject.toml", True),
+    (SERVING_ONLY, "infra/bench/engine.py", False),
+    (SERVING_ONLY, "serving/demo/models/target/model.safetensors", False),
+    (SERVING_ONLY, "serving/api/__pycache__/app.cpython-311.pyc", False),
+    ("**\n!serving/**\n", "serving/demo/train_target.py", True),  # without its line the demo ships
+    ("*.md\n", "README.md", False),
+    ("*.md\n", "docs/engine.md", True),  # `*` stays within the top folder
+    ("docs\n", "docs/benchmarks/log.md", False),  # a rule on a folder covers what is in it
+])
+def test_the_context_matcher_reads_the_patterns_as_docker_does(ignore: str, path: str, kept: bool) -> None:
+    assert in_context(path, ignore_rules(ignore)) is kept
+
+
+def test_the_context_walk_finds_a_file_the_ignore_file_lets_in(tmp_path: Path) -> None:
+    for path in ("serving/x.py", "serving/demo/y.py", "infra/z.py", ".venv/lib/w.py"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("")
+    assert sorted(build_context(tmp_path, ignore_rules(SERVING_ONLY))) == ["serving/x.py"]
+    assert sorted(build_context(tmp_path, ignore_rules("**\n!serving/**\n!infra/**\n"))) == [
+        "infra/z.py", "serving/demo/y.py", "serving/x.py"]
 
 
 # ---- infra/'s layers: every infra module imports only from its own layer or the layers below ----------
