@@ -56,13 +56,13 @@ def forward_ms(engine: LLMEngine, context: int, repeats: int = 200) -> float:
     # blocks nobody holds (the engine is idle; run last: it writes K/V into them, cached ones included)
     blocks = list(range(-(-(context + 1) // bs)))
     with torch.inference_mode():  # as the engine's steps build and run batches (the graphs' guards expect it)
-        batch = engine.builder.build([SequenceInput([1], context, blocks, [0])])
+        batch = engine.runner.builder.build([SequenceInput([1], context, blocks, [0])])
         for _ in range(5):
-            engine.model.compute_logits(engine.run_forward(batch), batch.logits_index)
+            engine.model.compute_logits(engine.runner.run_forward(batch), batch.logits_index)
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(repeats):
-            engine.model.compute_logits(engine.run_forward(batch), batch.logits_index)
+            engine.model.compute_logits(engine.runner.run_forward(batch), batch.logits_index)
         torch.cuda.synchronize()
     return 1e3 * (time.perf_counter() - start) / repeats
 
@@ -130,7 +130,7 @@ def decode_tokens_per_s(model_dir: Path, new_tokens: int, compile_mode: str, qua
         compile="off" if compile_mode == "piecewise" else compile_mode, quantization=quantization,
         **({"kv_cache_bytes": kv_cache_bytes} if kv_cache_bytes else {})))
     if compile_mode == "piecewise":
-        engine.compile_steps(whole_decode=False)
+        engine.runner.compile_steps(whole_decode=False)
     startup_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     prompt = list(range(1, 17))
@@ -160,13 +160,13 @@ def decode_tokens_per_s(model_dir: Path, new_tokens: int, compile_mode: str, qua
     split = profile_steps(engine, finish, concurrency=1)
     kernels = kernel_profile(engine, prompt) if profile_kernels else None
     forward = forward_ms(engine, context=len(prompt) + new_tokens // 2)
-    compiled = engine.compiled
+    compiled = engine.runner.compiled
     result = {
         "compile": compile_mode,
         "quantization": quantization,
         "weight_bytes": weight_bytes(engine.model),
         "startup_s": round(startup_s, 1),
-        "kv_cache_blocks": engine.cache.num_blocks,
+        "kv_cache_blocks": engine.runner.cache.num_blocks,
         "compiled_buckets": sorted(compiled.graphs) if compiled is not None else [],
         "whole_decode_buckets": sorted(compiled.decode_graphs) if compiled is not None else [],
         "cuda_graphs": bool(compiled is not None and compiled.cuda_graphs),

@@ -170,10 +170,10 @@ def run_engine_benchmark(
     report = EngineBenchReport(model=str(model_dir), device=str(engine.device), dtype=str(engine.dtype),
                                threads=torch.get_num_threads(), prompt_tokens=[len(p) for p in prompts],
                                output_len=output_len,
-                               compiled=engine.compiled.decisions if engine.compiled is not None else [],
-                               weight_packing=[asdict(d) for d in engine.weight_packing],
-                               decode_attention=[asdict(d) for d in engine.decode_attention],
-                               decisions=engine.decisions())
+                               compiled=engine.runner.compiled.decisions if engine.runner.compiled is not None else [],
+                               weight_packing=[asdict(d) for d in engine.runner.weight_packing],
+                               decode_attention=[asdict(d) for d in engine.runner.decode_attention],
+                               decisions=engine.startup_decisions)
     runs: list[Callable[[], RunResult]] = []
     for c in concurrencies:
         runs.append(functools.partial(bench_engine, engine, prompts, c, output_len))

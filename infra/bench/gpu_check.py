@@ -205,14 +205,14 @@ def synthetic_batch(engine: Any, contexts: list[int], query_tokens: int) -> Any:
         n = -(-(ctx + query_tokens) // bs)
         seqs.append(SequenceInput([1] * query_tokens, ctx, list(range(first, first + n)), list(range(query_tokens))))
         first += n
-    return engine.builder.build(seqs)
+    return engine.runner.builder.build(seqs)
 
 
 def forward_ms(engine: Any, contexts: list[int], query_tokens: int, repeats: int) -> float:
     """Median ms of a step's forward and lm_head as the engine runs it (compiled bucket or eager)."""
     with torch.inference_mode():
         batch = synthetic_batch(engine, contexts, query_tokens)
-        return timed_ms(lambda: engine.model.compute_logits(engine.run_forward(batch), batch.logits_index),
+        return timed_ms(lambda: engine.model.compute_logits(engine.runner.run_forward(batch), batch.logits_index),
                         engine.device, repeats)
 
 
@@ -269,13 +269,14 @@ _BLOCK_SIZE = 16  # tokens per KV cache block, the engine's default
 def make_engine(model: Any, plan: Plan, num_blocks: int) -> Any:
     from serving.engine.config import EngineConfig
     from serving.engine.engine import LLMEngine
+    from serving.engine.model_runner import ModelRunner
 
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[plan.dtype]
     config = EngineConfig(model="random-weights", device=plan.device, dtype=dtype, kv_block_size=_BLOCK_SIZE,
                           max_num_seqs=max(plan.batches),
                           max_model_len=plan.max_model_len, max_num_batched_tokens=2048, enable_prefix_caching=False,
                           compile="off", cpu_weight_packing="off", cpu_decode_attention="off")
-    return LLMEngine(model, config, num_blocks)
+    return LLMEngine(ModelRunner(model, config, num_blocks), config)
 
 
 def _bucket(n: int) -> int:
@@ -302,9 +303,9 @@ def capture(engine: Any, plan: Plan, piecewise_from: Any = None) -> Any:
     # CPU (the dry run): graphs traced with the eager backend, no decode captured whole (no paged attention there)
     compiled = CompiledForward(engine.model, sorted({*verify, *decode}), max_decode_rows=max(plan.batches),
                                backend="inductor" if engine.device.type == "cuda" else "eager")
-    compiled._decode_cache = engine.cache  # as warm_up sets it: the cache the decode graphs read
+    compiled._decode_cache = engine.runner.cache  # as warm_up sets it: the cache the decode graphs read
     if compiled.cuda_graphs:  # as warm_up: the graphs read the cache and rope tables in place
-        k_layers, v_layers = engine.cache.all_layer_blocks()
+        k_layers, v_layers = engine.runner.cache.all_layer_blocks()
         for t in [*k_layers, *v_layers, engine.model.rope_cos, engine.model.rope_sin]:
             torch._dynamo.mark_static_address(t)
     with torch.inference_mode():
@@ -312,13 +313,13 @@ def capture(engine: Any, plan: Plan, piecewise_from: Any = None) -> Any:
             compiled.graphs = dict(piecewise_from.graphs)
         else:
             for b in verify:
-                compiled._warm_up_bucket(b, engine.cache, engine.builder, measure=False)
+                compiled._warm_up_bucket(b, engine.runner.cache, engine.runner.builder, measure=False)
         for b in decode if compiled.whole_decode else []:
-            compiled._warm_up_decode(b, engine.cache, engine.builder, measure=False)
+            compiled._warm_up_decode(b, engine.runner.cache, engine.runner.builder, measure=False)
     failed = [f"{d.kind} {d.tokens}: {d.note}" for d in compiled.decisions if not d.compiled]
     if failed:
         raise RuntimeError("capture failed: " + "; ".join(failed))
-    engine.compiled = compiled
+    engine.runner.compiled = compiled
     return compiled
 
 
@@ -327,16 +328,16 @@ def set_mode(engine: Any, mode: str, plan: Plan, piecewise_from: Any) -> Any:
     (None: eager)."""
     from serving.engine.kernels.gpu_kernels import disable_triton_kernels, enable_triton_kernels
 
-    engine.compiled = None
+    engine.runner.compiled = None
     gc.collect()
     model = engine.model
     if mode == "eager+triton":
-        enable_triton_kernels(model, engine.block_size, engine.builder)
+        enable_triton_kernels(model, engine.block_size, engine.runner.builder)
     elif mode == "captured+triton":
         # attention only: inside compiled graphs inductor already fuses the residual add with the norm
-        enable_triton_kernels(model, engine.block_size, engine.builder, norm=False)
+        enable_triton_kernels(model, engine.block_size, engine.runner.builder, norm=False)
     else:
-        disable_triton_kernels(model, engine.builder)
+        disable_triton_kernels(model, engine.runner.builder)
     if mode.startswith("captured"):
         return capture(engine, plan, piecewise_from)
     return None
@@ -401,7 +402,7 @@ def measure_model(name: str, plan: Plan, bandwidth: float, deadline: float, log:
                         + [f"decode {b}" for b in decode if compiled.whole_decode and b not in compiled.decode_graphs])
                 row.note += f"; refused while running: {', '.join(lost)}" if lost else ""
             log(format_row(row))
-    engine.compiled = None
+    engine.runner.compiled = None
     engine.close()
     del engine, model, piecewise
     gc.collect()

@@ -136,8 +136,8 @@ def run_prefix_benchmark(
     report = PrefixBenchReport(model=str(model_dir), device=str(engine.device), threads=torch.get_num_threads(),
                                system_prompt_tokens=system_tokens, user_tokens=[len(u) for u in user],
                                requests=requests, concurrency=concurrency, output_len=output_len,
-                               weight_packing=[asdict(d) for d in engine.weight_packing],
-                               decode_attention=[asdict(d) for d in engine.decode_attention])
+                               weight_packing=[asdict(d) for d in engine.runner.weight_packing],
+                               decode_attention=[asdict(d) for d in engine.runner.decode_attention])
     # warm-up on an unrelated prompt of the same shape: allocator and kernels, not the cache under test
     warm = [[(t + 7) % engine.args.vocab_size for t in prompts[0]]]
     outputs = {}

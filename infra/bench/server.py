@@ -85,7 +85,7 @@ def run_server_benchmark(model_dir: Path, output_len: int, threads: int | str, r
     with tempfile.TemporaryDirectory(prefix="specdeploy-bench-") as tmp, _server(model_dir, Path(tmp), output_len,
                                                                                   threads) as (base, pid):
         engine, prompts = _load_engine(model_dir, threads, requests)
-        report.decisions = engine.decisions()
+        report.decisions = engine.startup_decisions
         with httpx.Client(base_url=base, timeout=600) as client:
             _complete(client, prompts[0], 8, stream)  # warm-up
             engine_tokens = http_tokens = 0

@@ -390,13 +390,15 @@ def run_spec_benchmark(
         for system, engine in (("draft", on_draft), ("ngram", on_ngram)):
             if engine.speculator is not None:
                 engine.speculator.trace = functools.partial(_trace_into, policy_trace, system, phase)
-    report.weight_packing = {name: [asdict(d) for d in engine.weight_packing] for name, engine in systems.items()}
-    report.decode_attention = {name: [asdict(d) for d in engine.decode_attention] for name, engine in systems.items()}
-    report.draft_rollout = asdict(on_draft.draft_rollout) if on_draft.draft_rollout is not None else None
+    report.weight_packing = {name: [asdict(d) for d in engine.runner.weight_packing]
+                             for name, engine in systems.items()}
+    report.decode_attention = {name: [asdict(d) for d in engine.runner.decode_attention]
+                               for name, engine in systems.items()}
+    report.draft_rollout = asdict(on_draft.runner.draft_rollout) if on_draft.runner.draft_rollout is not None else None
     proposer = on_draft.speculator.proposer if on_draft.speculator is not None else None
     report.draft_token_map = getattr(proposer, "token_map", None)  # as resolved (auto: the draft's own, if any)
     report.draft_token_map_size = getattr(proposer, "token_map_size", None)
-    report.decisions = {name: engine.decisions() for name, engine in systems.items()}
+    report.decisions = {name: engine.startup_decisions for name, engine in systems.items()}
 
     for engine in (off, on_draft, on_ngram):  # warm-up, and a first fit of the policy's cost model
         run_concurrent(engine, prompts, 2, 16)

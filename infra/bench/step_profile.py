@@ -60,8 +60,8 @@ class StepTimer:
             (engine, "step", "step"),
             (engine, "run_forward", "forward"),
             (engine.model, "compute_logits", "lm_head"),
-            (engine.cache, "write", "attention"),
-            (engine.cache, "write_layers", "attention"),
+            (engine.runner.cache, "write", "attention"),
+            (engine.runner.cache, "write_layers", "attention"),
             (engine, "sample_or_verify", "sampling"),
             (engine, "logprobs_of", "sampling"),
         ]

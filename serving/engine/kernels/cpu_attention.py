@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 from serving.config import DecodeAttentionMode
-from serving.engine.batch import ForwardBatch, SequenceInput, build_forward_batch
+from serving.engine.batch import ForwardBatch, ForwardBatchBuilder, SequenceInput, build_forward_batch
 from serving.engine.kv_cache import KVCache
 from serving.engine.model import KERNEL_MAX_QUERY, Attention, Transformer
 from serving.engine.timing import interleaved_medians
@@ -335,6 +335,15 @@ def _check_and_time(model: Transformer, kernel: DecodeAttentionKernel, timed: bo
         return worst, gather_s, kernel_s
     finally:
         attention.decode_kernel = previous
+
+
+def choose_for(model: Transformer, name: str, builder: ForwardBatchBuilder, mode: DecodeAttentionMode,
+               tensor_parallel: bool) -> AttentionDecision:
+    """`choose` for one model of an engine, and its batch builder told which groups the kernel reads in place:
+    those need not be split to keep a gathered copy in the CPU's caches."""
+    decision = choose(model, name, mode, unsupported_reason(model.device, model.dtype, tensor_parallel))
+    builder.in_place_max_q = KERNEL_MAX_QUERY if decision.kernel else 0
+    return decision
 
 
 def choose(model: Transformer, name: str, mode: DecodeAttentionMode, reason_not: str | None) -> AttentionDecision:

@@ -24,9 +24,13 @@ from pathlib import Path
 
 import torch
 
+from serving.config import DecodeAttentionMode, WeightPacking
 from serving.engine.batch import ForwardBatch, ForwardBatchBuilder, SequenceInput
 from serving.engine.compile import CompiledForward, buckets_up_to
 from serving.engine.grammar import apply_grammar_masks
+from serving.engine.kernels import cpu_attention, cpu_linear
+from serving.engine.kernels.cpu_attention import AttentionDecision
+from serving.engine.kernels.cpu_linear import PackingDecision
 from serving.engine.kv_cache import BlockManager, KVCache
 from serving.engine.loader import load_model, read_model_args
 from serving.engine.logits import adjust_logits
@@ -74,6 +78,7 @@ class DraftModelProposer:
         self.builder = ForwardBatchBuilder(block_size, args.n_rep, self.device, self.dtype)
         self.compiled: CompiledForward | None = None  # compile_steps(): the draft's small steps as graphs
         self.rollout: DraftRollout | None = None  # prepare_rollout(): catch-up and drafts as one graph
+        self.rollout_decision: RolloutDecision | None = None  # prepare_rollout(): whether it rolls out, and why
         self.rollouts_total = 0  # compiled rollouts run
         self.computed: dict[str, int] = {}  # req_id -> tokens of the sequence in the draft cache
         self.catch_up_tokens_total = 0  # sequence tokens the draft computed (prompts, accepted and emitted tokens)
@@ -115,6 +120,11 @@ class DraftModelProposer:
                      model.args.vocab_size)
         return proposer
 
+    # ---- start-up (the Proposer protocol's hooks, called by serving.engine.build) --------------------------
+
+    def set_paged_attention(self, on: bool) -> None:
+        self.model.set_paged_attention(on)
+
     def compile_steps(self, max_rows: int, measure: bool, whole_decode: bool | None = None,
                       backend: str = "inductor") -> None:
         """Compile (on CUDA: capture) the draft's steps of up to max_rows tokens, as the target's are: a draft
@@ -126,8 +136,25 @@ class DraftModelProposer:
 
     def prepare_rollout(self, mode: str, num_draft_tokens: int, wrapper: str = "cpp") -> RolloutDecision:
         """speculative.draft_rollout: compile (and in auto, measure) the rollout at start-up, before any request."""
-        self.rollout, decision = prepare(self.model, mode, num_draft_tokens, wrapper)  # type: ignore[arg-type]
-        return decision
+        self.rollout, self.rollout_decision = prepare(self.model, mode, num_draft_tokens, wrapper)  # type: ignore[arg-type]
+        return self.rollout_decision
+
+    def pack_weights(self, mode: WeightPacking, reason_not: str | None) -> list[PackingDecision]:
+        """model.cpu_weight_packing for the draft (after prepare_rollout: a rollout keeps the weights plain)."""
+        if self.rollout is not None:  # its compiled graph needs plain weights, and pays far more
+            return [PackingDecision("draft", False, "the draft drafts through its compiled rollout "
+                                    "(speculative.draft_rollout), which needs plain weights")]
+        return [cpu_linear.choose(self.model, "draft", mode, reason_not)]
+
+    def choose_attention(self, mode: DecodeAttentionMode, tensor_parallel: bool) -> list[AttentionDecision]:
+        return [cpu_attention.choose_for(self.model, "draft", self.builder, mode, tensor_parallel)]
+
+    def decisions(self) -> list[tuple[str, str, str]]:
+        rows = [("speculative.draft_token_map", self.token_map or "none", self.token_map_reason)]
+        if self.rollout_decision is not None:
+            rows.append(("speculative.draft_rollout", "on" if self.rollout_decision.enabled else "off",
+                         self.rollout_decision.reason))
+        return rows
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.compiled is not None:

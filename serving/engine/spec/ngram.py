@@ -6,10 +6,18 @@ or output predicts the next tokens for free (no model runs). Longest n first.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from serving.engine.request import Request
 from serving.engine.spec.proposer import Proposals
+
+if TYPE_CHECKING:
+    from serving.config import DecodeAttentionMode, WeightPacking
+    from serving.engine.kernels.cpu_attention import AttentionDecision
+    from serving.engine.kernels.cpu_linear import PackingDecision
+    from serving.engine.spec.rollout import RolloutDecision
 
 
 class NgramProposer:
@@ -60,3 +68,23 @@ class NgramProposer:
 
     def release(self, req_id: str) -> None:
         pass
+
+    # start-up: no model, so nothing to attend with, roll out, pack or compile, and nothing decided
+
+    def set_paged_attention(self, on: bool) -> None:
+        pass
+
+    def prepare_rollout(self, mode: str, num_draft_tokens: int, wrapper: str) -> RolloutDecision | None:
+        return None
+
+    def pack_weights(self, mode: WeightPacking, reason_not: str | None) -> list[PackingDecision]:
+        return []
+
+    def choose_attention(self, mode: DecodeAttentionMode, tensor_parallel: bool) -> list[AttentionDecision]:
+        return []
+
+    def compile_steps(self, max_rows: int, measure: bool, whole_decode: bool | None, backend: str) -> None:
+        pass
+
+    def decisions(self) -> list[tuple[str, str, str]]:
+        return []

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
+from serving.engine.build import compiles
 from serving.engine.compile import BUCKETS, attention_op, buckets_up_to
-from serving.engine.engine import compiles
 from serving.engine.types import SamplingParams
 
 
@@ -36,7 +36,7 @@ def test_attention_op_outside_a_step_says_so() -> None:
 def test_compile_off_and_auto_on_cpu_run_eagerly(llama_dir: Path, kit: Any) -> None:
     for mode in ("off", "auto"):
         engine = kit.make_engine(llama_dir, compile=mode)
-        assert engine.compiled is None
+        assert engine.runner.compiled is None
         prompts = kit.random_prompts([5, 9])
         assert all(len(t) == 3 for t in kit.run_to_completion(
             engine, prompts, [SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)] * 2))
@@ -51,12 +51,12 @@ def test_compiled_steps_give_the_eager_greedy_tokens(llama_dir: Path, kit: Any) 
     eager = kit.run_to_completion(kit.make_engine(llama_dir, **settings), prompts, params)
 
     engine = kit.make_engine(llama_dir, **settings)
-    engine.compile_steps(measure=False)  # every bucket compiled, whether or not it pays here
-    assert engine.compiled is not None
-    assert sorted(engine.compiled.graphs) == [1, 2, 4]
+    engine.runner.compile_steps(measure=False)  # every bucket compiled, whether or not it pays here
+    assert engine.runner.compiled is not None
+    assert sorted(engine.runner.compiled.graphs) == [1, 2, 4]
     compiled = kit.run_to_completion(engine, prompts, params)
-    assert engine.compiled.steps_compiled > 10
-    assert sorted(engine.compiled.graphs) == [1, 2, 4]  # no bucket needed a compile while serving
+    assert engine.runner.compiled.steps_compiled > 10
+    assert sorted(engine.runner.compiled.graphs) == [1, 2, 4]  # no bucket needed a compile while serving
     assert compiled == eager
     assert engine.blocks.num_used == 0
 
@@ -140,8 +140,8 @@ def test_decode_steps_captured_whole_give_the_eager_greedy_tokens(llama_dir: Pat
 
     engine = kit.make_engine(llama_dir, **settings)
     engine.model.set_paged_attention(True)
-    engine.compile_steps(measure=False, whole_decode=True, backend="eager")
-    compiled = engine.compiled
+    engine.runner.compile_steps(measure=False, whole_decode=True, backend="eager")
+    compiled = engine.runner.compiled
     assert compiled is not None
     assert sorted(compiled.decode_graphs) == [1, 2, 4]
     assert [d.kind for d in compiled.decisions].count("decode") == 3
@@ -166,8 +166,8 @@ def test_speculation_with_paged_attention_keeps_every_graph(llama_dir: Path, kit
     spec = SpeculativeConfig(enabled=True, method="ngram", adaptive=True, num_draft_tokens=3)
     engine = kit.make_engine(llama_dir, speculative=spec, **settings)
     engine.model.set_paged_attention(True)
-    engine.compile_steps(measure=False, whole_decode=True, backend="eager")
-    compiled = engine.compiled
+    engine.runner.compile_steps(measure=False, whole_decode=True, backend="eager")
+    compiled = engine.runner.compiled
     assert compiled is not None
     buckets = sorted(compiled.graphs)
     assert kit.run_to_completion(engine, prompts, params) == plain
@@ -198,7 +198,7 @@ def test_the_draft_model_steps_run_through_graphs_too(llama_dir: Path, kit: Any,
     if paged:
         engine.model.set_paged_attention(True)
         proposer.model.set_paged_attention(True)
-    engine.compile_steps(measure=False, whole_decode=paged, backend="eager")
+    engine.runner.compile_steps(measure=False, whole_decode=paged, backend="eager")
     draft_graphs = proposer.compiled
     assert draft_graphs is not None and sorted(draft_graphs.graphs) == [1, 2, 4]
     assert sorted(draft_graphs.decode_graphs) == ([1, 2, 4] if paged else [])
@@ -225,10 +225,10 @@ def test_a_target_and_its_draft_stay_under_dynamos_recompile_limit(llama_dir: Pa
     # dynamo's own patch: it restores the setting afterwards (monkeypatch's undo removed it from the config)
     with torch._dynamo.config.patch(recompile_limit=8):
         engine = kit.make_engine(llama_dir, max_num_seqs=16, compile="off", speculative=spec)
-        engine.compile_steps(measure=False, backend="eager")
+        engine.runner.compile_steps(measure=False, backend="eager")
         assert torch._dynamo.config.recompile_limit >= 12
-    assert engine.compiled is not None and len(engine.compiled.graphs) == 7  # 1 .. 64 tokens
+    assert engine.runner.compiled is not None and len(engine.runner.compiled.graphs) == 7  # 1 .. 64 tokens
     proposer = engine.speculator.proposer if engine.speculator is not None else None
     assert proposer is not None and len(proposer.compiled.graphs) == 5  # 1 .. 16 rows
-    failed = [d.note for d in engine.compiled.decisions + proposer.compiled.decisions if d.note]
+    failed = [d.note for d in engine.runner.compiled.decisions + proposer.compiled.decisions if d.note]
     assert failed == []  # was: the draft's 4- to 16-row buckets, FailOnRecompileLimitHit

@@ -103,8 +103,8 @@ def test_cuda_graph_steps_give_the_eager_greedy_tokens(kit: Any, llama_dir: Path
         engine = kit.make_engine(llama_dir, compile="on", **settings)  # compiles and captures at start-up
     else:
         engine = kit.make_engine(llama_dir, compile="off", **settings)
-        engine.compile_steps(whole_decode=False)
-    compiled = engine.compiled
+        engine.runner.compile_steps(whole_decode=False)
+    compiled = engine.runner.compiled
     assert compiled is not None and compiled.cuda_graphs
     assert sorted(compiled.graphs) == [1, 2, 4]
     assert sorted(compiled.decode_graphs) == ([1, 2, 4] if whole_decode else [])
@@ -133,7 +133,7 @@ def test_captured_decode_with_speculation_and_prefix_caching_on_cuda(kit: Any, l
     spec = SpeculativeConfig(enabled=True, method=method, adaptive=True, num_draft_tokens=3,
                              draft_model=str(llama_dir) if method == "draft" else None)
     engine = kit.make_engine(llama_dir, compile="on", speculative=spec, **settings)
-    assert engine.compiled is not None and engine.compiled.decode_graphs
+    assert engine.runner.compiled is not None and engine.runner.compiled.decode_graphs
     assert kit.run_to_completion(engine, prompts, params) == plain
     assert engine.blocks.num_used == 0
     proposer = engine.speculator.proposer if engine.speculator is not None else None

@@ -34,7 +34,7 @@ def test_greedy_matches_transformers_generate_for_72_tokens(kit: Any, llama_dir:
     prompts, expected = llama_reference
     # a small token budget forces chunked prefill next to decodes
     engine = kit.make_engine(llama_dir, max_num_batched_tokens=32, cpu_weight_packing=packing)
-    assert [d.packed for d in engine.weight_packing] == [packing == "on"]
+    assert [d.packed for d in engine.runner.weight_packing] == [packing == "on"]
     assert kit.run_to_completion(engine, prompts, [GREEDY] * len(prompts)) == expected
     assert engine.blocks.num_used == 0
 
@@ -56,7 +56,7 @@ def test_preemption_under_a_tiny_kv_budget_keeps_outputs_identical(kit: Any, lla
     roomy = kit.run_to_completion(kit.make_engine(llama_dir), prompts, params)
 
     engine = kit.make_engine(llama_dir)
-    block_bytes = engine.cache.k[:, 0].numel() * 2 * 4
+    block_bytes = engine.runner.cache.k[:, 0].numel() * 2 * 4
     tight = kit.make_engine(llama_dir, kv_cache_bytes=24 * block_bytes)  # 24 blocks of 16 tokens for 32 requests
     assert tight.blocks.num_blocks == 24
     assert kit.run_to_completion(tight, prompts, params) == roomy
@@ -103,7 +103,7 @@ def test_admission_refuses_when_the_queue_is_full(kit: Any, llama_dir: Path) -> 
 
 def test_request_bigger_than_the_whole_cache_never_fits(kit: Any, llama_dir: Path) -> None:
     engine = kit.make_engine(llama_dir)
-    tight = kit.make_engine(llama_dir, kv_cache_bytes=engine.cache.k[:, 0].numel() * 2 * 4 * 4)
+    tight = kit.make_engine(llama_dir, kv_cache_bytes=engine.runner.cache.k[:, 0].numel() * 2 * 4 * 4)
     with pytest.raises(RequestRejected, match="4 in all") as err:
         tight.check_admission(GenerationRequest("a", [1] * 60, SamplingParams(max_tokens=10)))
     assert err.value.kind == "never_fits"

@@ -113,7 +113,7 @@ def shared_prefix_prompts(kit: Any, n: int, seed: int = 5) -> list[list[int]]:
 
 
 def block_bytes(engine: LLMEngine) -> int:
-    return engine.cache.k[:, 0].numel() * 2 * engine.cache.k.element_size()
+    return engine.runner.cache.k[:, 0].numel() * 2 * engine.runner.cache.k.element_size()
 
 
 def assert_all_released(engine: LLMEngine) -> None:

@@ -171,9 +171,9 @@ def test_engines_with_and_without_the_kernel_give_identical_greedy_tokens(
     settings = {"speculative": spec, "kv_cache_bytes": 96 * 1024 if which == "llama" else 640 * 1024}
     off, off_engine = _engine_outputs(kit, model_dir, "off", **settings)
     on, engine = _engine_outputs(kit, model_dir, "on", **settings)
-    assert [(d.model, d.kernel) for d in engine.decode_attention] == [("target", True), ("draft", True)]
+    assert [(d.model, d.kernel) for d in engine.runner.decode_attention] == [("target", True), ("draft", True)]
     # groups read in place are not split to keep a gathered copy small; gathered ones are
-    builders = [(e.builder, e.speculator.proposer.builder) for e in (engine, off_engine)]  # type: ignore[union-attr]
+    builders = [(e.runner.builder, e.speculator.proposer.builder) for e in (engine, off_engine)]  # type: ignore[union-attr]
     assert [b.in_place_max_q for pair in builders for b in pair] == [KERNEL_MAX_QUERY] * 2 + [0] * 2
     assert engine.stats().spec.num_draft_tokens > 0
     assert engine.stats().preemptions_total > 0, "the KV budget was meant to force preemption"
@@ -196,7 +196,7 @@ def test_auto_keeps_the_kernel_only_where_decode_groups_measure_faster(
 
 def test_auto_measures_for_real_and_the_engine_still_runs(kit: Any, llama_dir: Path) -> None:
     engine = kit.make_engine(llama_dir, cpu_decode_attention="auto")
-    (decision,) = engine.decode_attention
+    (decision,) = engine.runner.decode_attention
     assert decision.gather_ms and decision.kernel_ms and "kernel" in decision.reason
     prompt = kit.random_prompts([12], seed=5)
     params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)]
@@ -229,12 +229,12 @@ def test_the_kernel_does_not_apply_where_it_cannot(kit: Any, llama_dir: Path) ->
     assert "tensor parallelism" in (unsupported_reason(cpu, f32, True) or "")
 
     engine = kit.make_engine(llama_dir, cpu_decode_attention="auto", dtype="bf16")
-    (decision,) = engine.decode_attention
+    (decision,) = engine.runner.decode_attention
     assert not decision.kernel and "bfloat16" in decision.reason
     with pytest.raises(ValueError, match="cpu_decode_attention is on, but for the target model the kernel is fp32"):
         kit.make_engine(llama_dir, cpu_decode_attention="on", dtype="bf16")
     off = kit.make_engine(llama_dir, cpu_decode_attention="off")
-    assert [d.reason for d in off.decode_attention] == ["model.cpu_decode_attention is off"]
+    assert [d.reason for d in off.runner.decode_attention] == ["model.cpu_decode_attention is off"]
     assert off.model.layers[0].attention.decode_kernel is None
 
 
@@ -337,10 +337,10 @@ def test_without_a_compiler_the_engine_uses_the_prebuilt_kernel(kit: Any, llama_
     cpu_attention.load.cache_clear()
     try:
         engine = kit.make_engine(llama_dir, cpu_decode_attention="auto")
-        (decision,) = engine.decode_attention
+        (decision,) = engine.runner.decode_attention
         assert "(prebuilt " in decision.reason
         forced = kit.make_engine(llama_dir, cpu_decode_attention="on")
-        assert forced.decode_attention[0].reason.startswith("model.cpu_decode_attention is on (prebuilt ")
+        assert forced.runner.decode_attention[0].reason.startswith("model.cpu_decode_attention is on (prebuilt ")
         prompt = kit.random_prompts([12], seed=5)
         params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)]
         assert kit.run_to_completion(forced, prompt, params) == kit.run_to_completion(

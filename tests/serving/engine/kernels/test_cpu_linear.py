@@ -50,7 +50,7 @@ def test_packed_and_plain_engines_agree_with_speculation_and_prefix_caching(
     outputs = {}
     for packing in ("off", "on"):
         engine = kit.make_engine(llama_dir, cpu_weight_packing=packing, speculative=spec)
-        assert [(d.model, d.packed) for d in engine.weight_packing] == [("target", packing == "on"),
+        assert [(d.model, d.packed) for d in engine.runner.weight_packing] == [("target", packing == "on"),
                                                                         ("draft", packing == "on")]
         outputs[packing] = kit.run_to_completion(engine, prompts, params)
         assert engine.stats().spec.num_draft_tokens > 0
@@ -89,7 +89,7 @@ def test_auto_packs_unless_its_worse_shape_is_further_from_the_best(
 
 def test_auto_measures_the_real_steps_and_the_model_still_runs(kit: Any, llama_dir: Path) -> None:
     engine = kit.make_engine(llama_dir, cpu_weight_packing="auto")
-    (decision,) = engine.weight_packing
+    (decision,) = engine.runner.weight_packing
     assert decision.dense_step_ms and decision.packed_step_ms and "packed vs" in decision.reason
     params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)]
     prompt = kit.random_prompts([12], seed=5)
@@ -107,16 +107,16 @@ def test_packing_does_not_apply_where_it_cannot(kit: Any, llama_dir: Path) -> No
     assert "tensor parallel" in (unsupported_reason(cpu, f32, "none", False, True) or "")
 
     engine = kit.make_engine(llama_dir, cpu_weight_packing="on", quantization="int8")
-    (decision,) = engine.weight_packing
+    (decision,) = engine.runner.weight_packing
     assert not decision.packed and "int8" in decision.reason
     off = kit.make_engine(llama_dir)
-    assert [d.reason for d in off.weight_packing] == ["model.cpu_weight_packing is off"]
+    assert [d.reason for d in off.runner.weight_packing] == ["model.cpu_weight_packing is off"]
 
 
 def test_compiling_an_engine_with_packed_weights_is_refused_by_name(kit: Any, llama_dir: Path) -> None:
     engine = kit.make_engine(llama_dir, cpu_weight_packing="on")
     with pytest.raises(ValueError, match="cpu_weight_packing"):
-        engine.compile_steps(measure=False)
+        engine.runner.compile_steps(measure=False)
 
 
 def test_weight_bytes_count_packed_weights(kit: Any, llama_dir: Path) -> None:

@@ -29,11 +29,11 @@ def _with_kernels(kit: Any, llama_dir: Path, compile_mode: str, **overrides: Any
     from serving.engine.model import KERNEL_MAX_QUERY
 
     engine = kit.make_engine(llama_dir, **{**SETTINGS, **overrides})
-    enable_triton_kernels(engine.model, engine.block_size, engine.builder)
+    enable_triton_kernels(engine.model, engine.block_size, engine.runner.builder)
     assert engine.model.captured_decode_kernel is decode_with_new_key_op
-    assert engine.builder.in_place_max_q == KERNEL_MAX_QUERY  # decode and verify sequences: one group
+    assert engine.runner.builder.in_place_max_q == KERNEL_MAX_QUERY  # decode and verify sequences: one group
     if compile_mode != "off":
-        engine.compile_steps(whole_decode=compile_mode == "whole")
+        engine.runner.compile_steps(whole_decode=compile_mode == "whole")
     return engine
 
 
@@ -49,7 +49,7 @@ def test_triton_kernels_keep_the_greedy_tokens(kit: Any, llama_dir: Path, compil
     assert kit.run_to_completion(engine, prompts, params) == plain
     assert engine.blocks.num_used == 0
     if compile_mode != "off":
-        compiled = engine.compiled
+        compiled = engine.runner.compiled
         assert compiled is not None and compiled.cuda_graphs
         assert not counters["inductor"].get("cudagraph_skips"), dict(counters["inductor"])
         assert (compiled.steps_whole_decode > 20) is (compile_mode == "whole")
@@ -81,12 +81,12 @@ def test_bf16_eager_and_captured_steps_agree_with_the_kernels(kit: Any, llama_di
     engine = _with_kernels(kit, llama_dir, "whole", dtype="bf16")
     prompt = kit.random_prompts([30], seed=5)[0]
     with torch.inference_mode():
-        prefill = engine.builder.build([SequenceInput(prompt, 0, [0, 1], [29])])
-        engine.model(prefill, engine.cache)
-        batch = engine.builder.build([SequenceInput([7], 30, [0, 1], [0])])
-        captured = engine.model.compute_logits(engine.run_forward(batch), batch.logits_index)
-        eager = engine.model.compute_logits(engine.model(batch, engine.cache), batch.logits_index)
-    assert engine.compiled is not None and engine.compiled.steps_whole_decode == 1
+        prefill = engine.runner.builder.build([SequenceInput(prompt, 0, [0, 1], [29])])
+        engine.model(prefill, engine.runner.cache)
+        batch = engine.runner.builder.build([SequenceInput([7], 30, [0, 1], [0])])
+        captured = engine.model.compute_logits(engine.runner.run_forward(batch), batch.logits_index)
+        eager = engine.model.compute_logits(engine.model(batch, engine.runner.cache), batch.logits_index)
+    assert engine.runner.compiled is not None and engine.runner.compiled.steps_whole_decode == 1
     cosine = torch.nn.functional.cosine_similarity(captured, eager, dim=-1)
     assert cosine.min().item() > 0.999
     assert torch.equal(captured.argmax(-1), eager.argmax(-1))

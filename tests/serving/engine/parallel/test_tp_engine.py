@@ -59,10 +59,11 @@ def test_logits_match_one_process(kit, models: dict[str, Path], model: str, tp: 
     expected = kit.run_to_completion(single, prompts, params)
 
     engine = kit.make_engine(models[model], tensor_parallel_size=tp)
-    pids = engine.tp_group.worker_pids
+    pids = engine.runner.tp_group.worker_pids
     try:
         assert len(pids) == tp - 1 and running(pids) == pids
-        assert engine.cache.n_kv_heads == single.cache.n_kv_heads // tp  # the KV cache is sharded by KV head
+        # the KV cache is sharded by KV head
+        assert engine.runner.cache.n_kv_heads == single.runner.cache.n_kv_heads // tp
         got_logits = record_logits(engine)
         got = kit.run_to_completion(engine, prompts, params)
     finally:
@@ -79,7 +80,7 @@ def test_a_rank_lost_while_idle_makes_the_engine_unhealthy_without_a_request(kit
 
     async def scenario() -> tuple[BaseException | None, list[int]]:
         engine = AsyncEngine(kit.make_engine(models["llama"], tensor_parallel_size=2))
-        pids = engine.engine.tp_group.worker_pids
+        pids = engine.engine.runner.tp_group.worker_pids
         await engine.start()
         try:
             assert engine.healthy
@@ -99,7 +100,7 @@ def test_a_rank_lost_while_idle_makes_the_engine_unhealthy_without_a_request(kit
 
 def test_a_hung_rank_times_out_the_collective_and_kills_the_engine(kit, models: dict[str, Path]) -> None:
     engine = kit.make_engine(models["llama"], tensor_parallel_size=2, collective_timeout_s=3)
-    pids = engine.tp_group.worker_pids
+    pids = engine.runner.tp_group.worker_pids
     try:
         os.kill(pids[0], signal.SIGSTOP)  # alive but never answers: only the collective's timeout can tell
         engine.add_request(kit_request(kit))

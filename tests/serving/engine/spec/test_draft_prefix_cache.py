@@ -81,5 +81,5 @@ def test_aborts_and_preemption_leave_the_draft_cache_clean(kit: Any, llama_dir: 
 
 
 def block_bytes(kit: Any, model_dir: Path) -> int:
-    cache = kit.make_engine(model_dir).cache
+    cache = kit.make_engine(model_dir).runner.cache
     return cache.k[:, 0].numel() * 2 * cache.k.element_size()

@@ -81,7 +81,7 @@ def test_a_third_proposer_runs_through_the_engine(kit: Any, llama_dir: Path, use
     engine: LLMEngine = kit.make_engine(llama_dir, speculative=SpeculativeConfig(
         enabled=True, method="ngram", num_draft_tokens=K, adaptive=False))
     oracle = OracleProposer(uses_model, {str(i): p + e for i, (p, e) in enumerate(zip(prompts, expected, strict=True))})
-    engine.speculator = Speculator(engine.config.speculative, oracle, engine.max_model_len)
+    engine.runner.speculator = Speculator(engine.config.speculative, oracle, engine.max_model_len)
     assert kit.run_to_completion(engine, prompts, params) == expected
 
     spec = engine.stats().spec

@@ -157,7 +157,8 @@ def test_a_target_drafting_for_itself_through_the_rollout_has_every_draft_accept
     assert kit.run_to_completion(engine, prompts, params) == expected
     assert proposer.rollouts_total > rolled  # the longest request, alone at the end
     spec = engine.stats().spec
-    assert engine.draft_rollout is not None and engine.draft_rollout.enabled and proposer.rollout is not None
+    decision = engine.runner.draft_rollout
+    assert decision is not None and decision.enabled and proposer.rollout is not None
     assert spec.num_accepted_tokens >= 0.97 * spec.num_draft_tokens > 0
     assert_all_free(engine)
 
@@ -174,7 +175,7 @@ def test_greedy_outputs_are_identical_with_a_small_draft_rolled_out_under_preemp
     params = [SamplingParams(temperature=0.8 if i % 4 == 3 else 0.0, seed=i, max_tokens=12 + 3 * i,
                              ignore_eos=True, speculative=i % 5 != 4) for i in range(len(prompts))]
     probe = kit.make_engine(llama_dir)
-    block = probe.cache.k[:, 0].numel() * 2 * probe.cache.k.element_size()
+    block = probe.runner.cache.k[:, 0].numel() * 2 * probe.runner.cache.k.element_size()
     expected = kit.run_to_completion(kit.make_engine(llama_dir), prompts, params)
     engine = engine_with(kit, llama_dir, small_draft_dir, kv_cache_bytes=24 * block, max_num_batched_tokens=64)
     got = kit.run_to_completion(engine, prompts, params)
@@ -363,7 +364,7 @@ def test_a_rolled_out_draft_keeps_plain_weights_and_the_target_is_still_packed(k
     spec = SpeculativeConfig(enabled=True, method="draft", draft_model=str(llama_dir), num_draft_tokens=3,
                              draft_rollout="on")
     engine = kit.make_engine(llama_dir, speculative=spec, cpu_weight_packing="on")
-    target, draft = engine.weight_packing
+    target, draft = engine.runner.weight_packing
     assert target.packed and not draft.packed and "rollout" in draft.reason
     assert proposer_of(engine).rollout is not None
     prompts = kit.random_prompts([10], seed=17)

@@ -35,7 +35,7 @@ def repetitive_prompts(kit: Any, n: int) -> list[list[int]]:
 
 
 def block_bytes(engine: LLMEngine) -> int:
-    return engine.cache.k[:, 0].numel() * 2 * engine.cache.k.element_size()
+    return engine.runner.cache.k[:, 0].numel() * 2 * engine.runner.cache.k.element_size()
 
 
 def assert_block_accounting(engine: LLMEngine) -> None:
