@@ -19,7 +19,7 @@ import pulumi
 import pulumi_aws as aws
 
 from infra.components.aws.common import SecureBucket, child, secure_bucket, tags
-from infra.config import SLOTS
+from infra.config import SLOTS, other_slot
 
 TLS_POLICY = "ELBSecurityPolicy-TLS13-1-2-2021-06"
 READY_PATH = "/ready"
@@ -69,8 +69,7 @@ class LoadBalancerArgs:
         return min(3600, math.ceil(self.drain_grace_s))
 
     def weights(self) -> dict[str, int]:
-        idle = "green" if self.active_slot == "blue" else "blue"
-        return {self.active_slot: 100 - self.canary_weight, idle: self.canary_weight}
+        return {self.active_slot: 100 - self.canary_weight, other_slot(self.active_slot): self.canary_weight}
 
 
 class LoadBalancer(pulumi.ComponentResource):

@@ -73,7 +73,7 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _reference(args: argparse.Namespace) -> int:
-    from infra.config_reference import write_or_check
+    from infra.config.reference import write_or_check
 
     stale = write_or_check(check=args.check)
     for path in stale:

@@ -31,8 +31,8 @@ from typing import Any
 import yaml
 
 from infra.components.kubernetes.common import APP, SLOT_LABEL, server_selector, slot_object_name
-from infra.config import SLOTS
-from infra.ops.release.model import ReleaseError, Weights, as_slot, other
+from infra.config import SLOTS, other_slot
+from infra.ops.release.model import ReleaseError, Weights, as_slot
 from infra.ops.release.traffic import FiringAlarm, SlotStatus
 
 NGINX = "nginx.ingress.kubernetes.io"
@@ -69,7 +69,7 @@ def canary_weights(canary: Mapping[str, Any]) -> Weights:
     weight = int(annotations.get(CANARY_WEIGHT_ANNOTATION, "0"))
     percent = round(100 * weight / total) if total else 0
     slot = canary_slot(canary)
-    return {slot: percent, other(slot): 100 - percent}
+    return {slot: percent, other_slot(slot): 100 - percent}
 
 
 def canary_patch(canary: Mapping[str, Any], weights: Weights) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from infra.config import SLOTS, ReleaseSpec, Slot
+from infra.config import SLOTS, ReleaseSpec, Slot, other_slot
 
 Weights = dict[str, int]  # slot -> percent of traffic; the two values sum to 100
 
@@ -30,20 +30,16 @@ def as_slot(name: str) -> Slot:
     raise ReleaseError(f"unknown slot {name!r}; allowed: {', '.join(SLOTS)}")
 
 
-def other(slot: str) -> Slot:
-    return "green" if as_slot(slot) == "blue" else "blue"
-
-
 def weights_to(slot: str, percent: int) -> Weights:
     """``percent`` of traffic on ``slot``, the rest on the other slot."""
     if not 0 <= percent <= 100:
         raise ReleaseError(f"traffic weight {percent} is not a percentage")
-    return {slot: percent, other(slot): 100 - percent}
+    return {slot: percent, other_slot(as_slot(slot)): 100 - percent}
 
 
 def stack_weights(release: ReleaseSpec) -> Weights:
     """The traffic split the stack file asks for."""
-    return weights_to(release.idle_slot or other(release.active), release.canary_weight)
+    return weights_to(release.idle_slot or other_slot(release.active), release.canary_weight)
 
 
 def parse_steps(text: str) -> list[int]:
@@ -78,8 +74,8 @@ def after_shift(release: ReleaseSpec, to: str, percent: int) -> ReleaseSpec:
     if percent >= 100:
         return release.model_copy(update={"active": to, "canary_weight": 0})
     if percent <= 0:
-        return release.model_copy(update={"active": other(to), "canary_weight": 0})
-    return release.model_copy(update={"active": other(to), "canary_weight": percent})
+        return release.model_copy(update={"active": other_slot(as_slot(to)), "canary_weight": 0})
+    return release.model_copy(update={"active": other_slot(as_slot(to)), "canary_weight": percent})
 
 
 def rollback_target(release: ReleaseSpec, interrupted_from: str | None) -> Slot:
@@ -92,4 +88,4 @@ def rollback_target(release: ReleaseSpec, interrupted_from: str | None) -> Slot:
         return as_slot(interrupted_from)
     if release.canary_weight > 0:
         return as_slot(release.active)
-    return other(release.active)
+    return other_slot(release.active)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.config import ReleaseSpec, StackFile
+from infra.config import ReleaseSpec, StackFile, other_slot
 from infra.ops.release.gates import GateWatcher
 from infra.ops.release.model import (
     ReleaseError,
@@ -27,7 +27,6 @@ from infra.ops.release.model import (
     Weights,
     after_shift,
     as_slot,
-    other,
     rollback_target,
     weights_to,
 )
@@ -94,7 +93,7 @@ def routed_release(spec: ReleaseSpec, weights: Weights) -> ReleaseSpec:
     for slot, percent in weights.items():
         if percent >= 100:
             return after_shift(spec, slot, 100)
-    active = spec.active if weights.get(spec.active, 0) > 0 else other(spec.active)
+    active = spec.active if weights.get(spec.active, 0) > 0 else other_slot(spec.active)
     return spec.model_copy(update={"active": active, "canary_weight": 100 - weights.get(active, 0)})
 
 
@@ -191,7 +190,7 @@ def _rollout(release: Release, to: str, steps: Sequence[int], observe_s: float, 
     release.store.save(state)
     weights = weights_to(target, final)
     log.write("done", slot=target, weights=weights, stack_file=str(release.stack.path), stack_file_changed=changed)
-    return Outcome(True, target if final >= 100 else other(target), weights, None, changed)
+    return Outcome(True, target if final >= 100 else other_slot(target), weights, None, changed)
 
 
 def _rollback(release: Release, to: str | None, force: bool, record: bool) -> Outcome:
@@ -247,7 +246,7 @@ def _start_or_resume(release: Release, target: Slot, steps: list[int], observe_s
         raise ReleaseError(f"{target} is already the active slot of {name} (a canary on the other slot is "
                            f"removed with `specdeploy rollback --stack {name}`)")
     routed = release.router.weights()  # also proves the router is reachable before any state is kept
-    state = RolloutState(stack=name, from_slot=other(target), to_slot=target, steps=steps, observe_s=observe_s)
+    state = RolloutState(stack=name, from_slot=other_slot(target), to_slot=target, steps=steps, observe_s=observe_s)
     release.store.save(state)
     release.log.write("start", slot=target, from_slot=state.from_slot, steps=steps, observe_s=observe_s,
                       weights=routed)

@@ -18,7 +18,7 @@ from infra.config import (
     masked_dump,
     render_server_config,
 )
-from infra.config_reference import write_or_check
+from infra.config.reference import write_or_check
 from serving.config import ModelSection, SchedulerSection, ServiceSection, SpeculativeSection
 
 

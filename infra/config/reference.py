@@ -8,6 +8,7 @@ fails when either file is stale (`specdeploy config reference` rewrites them).
 from __future__ import annotations
 
 import json
+import re
 import types
 from pathlib import Path
 from typing import Annotated, Any, Union, get_args, get_origin
@@ -17,7 +18,8 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from infra.config import PROJECT, REPO_ROOT, SECRET_FIELDS, StackConfig, config_key
+from infra.config.project import PROJECT, REPO_ROOT
+from infra.config.stack import SECRET_FIELDS, StackConfig, config_key
 
 REFERENCE_PATH = REPO_ROOT / "docs" / "config-reference.md"
 PULUMI_YAML_PATH = REPO_ROOT / "Pulumi.yaml"
@@ -32,7 +34,7 @@ runtime:
     virtualenv: .venv
 main: infra/
 stackConfigDir: stacks
-# Generated from infra/config.py by `specdeploy config reference`; do not edit by hand.
+# Generated from infra/config/ by `specdeploy config reference`; do not edit by hand.
 """
 
 
@@ -60,7 +62,7 @@ def _type_name(annotation: Any) -> str:
         return " or ".join(_type_name(a) for a in inner) + " (optional)"
     if get_origin(annotation) in (Union, types.UnionType):
         return " or ".join(_type_name(a) for a in args)
-    text = str(annotation).replace("typing.", "").replace("infra.config.", "").replace("serving.config.", "")
+    text = re.sub(r"(?:infra|serving)\.config\.(?:\w+\.)*", "", str(annotation).replace("typing.", ""))
     return text.replace("|", "or")
 
 
@@ -106,7 +108,7 @@ def render_reference() -> str:
     lines = [
         "# Stack configuration reference",
         "",
-        "Generated from `infra/config.py` by `specdeploy config reference`; a test fails when it is stale.",
+        "Generated from `infra/config/` by `specdeploy config reference`; a test fails when it is stale.",
         "Each top-level key is written `specdeploy:<key>` in `stacks/Pulumi.<stack>.yaml`.",
         "Unknown keys and impossible values are errors naming the key (`specdeploy config validate`).",
         "",
