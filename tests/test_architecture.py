@@ -387,3 +387,127 @@ def test_the_layer_checker_catches(path: str, source: str, rule: str) -> None:
 ])
 def test_the_layer_checker_allows(path: str, source: str) -> None:
     assert layer_violations([_module(path, source)]) == []
+
+
+# ---- The engine: proposers are driven through their protocol, and kernels live in one folder ----------------
+#
+# Read from each module's syntax tree, in infra/ and serving/ alike.
+
+SPEC = "serving/engine/spec/"
+KERNELS = "serving/engine/kernels/"
+NATIVE_SUFFIXES = (".c", ".cc", ".cpp", ".cu", ".cuh", ".h", ".hpp")
+TORCH_LIBRARY_OPS = ("custom_op", "triton_op", "define", "impl", "Library")
+# torch.library ops outside kernels/ that are no kernel: compile.py's only marks where inductor partitions a
+# compiled step around attention (graph_partition); its body calls the model's own attention.
+GRAPH_BOUNDARY_OPS = {"serving/engine/compile.py": ("specdeploy::attention",)}
+
+
+def _dotted(node: ast.expr) -> str:
+    """`a.b.c` for a name or an attribute chain; empty for anything else."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return f"{base}.{node.attr}" if base else ""
+    return ""
+
+
+def proposer_classes(root: Path = REPO) -> set[str]:
+    """Every proposer class: a class of serving/engine/spec/ that defines `propose` or derives from Proposer."""
+    names = set()
+    for path in sorted((root / SPEC).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef) and (
+                any(isinstance(item, ast.FunctionDef) and item.name == "propose" for item in node.body)
+                or any(_dotted(base).rpartition(".")[2] == "Proposer" for base in node.bases)
+            ):
+                names.add(node.name)
+    return names
+
+
+PROPOSERS = proposer_classes()
+
+
+def _type_names(node: ast.expr) -> list[str]:
+    """The class names an isinstance's second argument lists: a (dotted) name, a tuple, or an X | Y union."""
+    if isinstance(node, ast.Tuple):
+        return [name for element in node.elts for name in _type_names(element)]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        return _type_names(node.left) + _type_names(node.right)
+    return [_dotted(node).rpartition(".")[2]]
+
+
+def engine_rules_broken(path: str, source: str, proposers: set[str] = PROPOSERS) -> list[str]:
+    """Each place in the module at ``path`` that checks a proposer's type outside spec/ or defines, loads or
+    names a kernel outside kernels/, as 'path:line: rule (what)'."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and not path.startswith(SPEC):
+            checked = _dotted(node.func) in ("isinstance", "issubclass") and len(node.args) == 2
+            named = sorted(set(_type_names(node.args[1])) & proposers) if checked else []
+            if named:
+                found.append(f"{path}:{node.lineno}: the engine drives proposers through the Proposer protocol "
+                             f"and its hooks; only spec/ may check a proposer's type ({', '.join(named)})")
+        if path.startswith(KERNELS):
+            continue
+        what = ""
+        if isinstance(node, ast.Attribute) and _dotted(node).endswith("triton.jit"):
+            what = "a Triton kernel"
+        elif isinstance(node, ast.Call):
+            called = _dotted(node.func)
+            first = node.args[0] if node.args else None
+            op = first.value if isinstance(first, ast.Constant) else None
+            if (called.startswith("torch.library.") and called.rpartition(".")[2] in TORCH_LIBRARY_OPS
+                    and op not in GRAPH_BOUNDARY_OPS.get(path, ())):
+                what = f"a torch.library op ({op})"
+            elif called in ("ctypes.CDLL", "ctypes.cdll.LoadLibrary", "torch.ops.load_library") or \
+                    "cpp_extension." in called:
+                what = f"native code loaded ({called})"
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and (
+                node.value == "csrc" or node.value.endswith(NATIVE_SUFFIXES)):
+            what = f"a kernel source named ({node.value})"
+        if what:
+            found.append(f"{path}:{node.lineno}: kernels live in {KERNELS} only: {what}")
+    return found
+
+
+def test_the_engine_keeps_proposers_behind_their_protocol_and_kernels_in_one_folder() -> None:
+    assert {"Proposer", "DraftModelProposer", "NgramProposer"} <= PROPOSERS
+    found = [rule for package in PACKAGES for path in sorted((REPO / package).rglob("*.py"))
+             for rule in engine_rules_broken(path.relative_to(REPO).as_posix(), path.read_text(encoding="utf-8"))]
+    assert found == []
+
+
+def test_native_kernel_sources_live_in_the_kernels_csrc_folder() -> None:
+    sources = [path.relative_to(REPO).as_posix() for package in PACKAGES for path in (REPO / package).rglob("*")
+               if path.suffix in NATIVE_SUFFIXES]
+    assert sources and all(path.startswith(f"{KERNELS}csrc/") for path in sources), sources
+
+
+@pytest.mark.parametrize(("path", "source", "rule"), [
+    ("serving/engine/engine.py", "def f(p):\n    return isinstance(p, DraftModelProposer)\n", "Proposer protocol"),
+    ("serving/engine/build.py", "isinstance(p, (int, spec.ngram.NgramProposer))\n", "Proposer protocol"),
+    ("infra/bench/spec.py", "if isinstance(p, Proposer | None):\n    pass\n", "Proposer protocol"),
+    ("serving/engine/model.py", "@triton.jit\ndef k(x):\n    pass\n", "a Triton kernel"),
+    ("serving/engine/compile.py", "@torch.library.custom_op('specdeploy::gemm', mutates_args=())\ndef g(x):\n"
+     "    return x\n", "a torch.library op (specdeploy::gemm)"),
+    ("serving/engine/model.py", "lib = ctypes.CDLL(path)\n", "native code loaded"),
+    ("infra/bench/x.py", "from torch.utils import cpp_extension\ncpp_extension.load_inline('k', src)\n",
+     "native code loaded"),
+    ("serving/engine/x.py", "SOURCE = Path(__file__).parent / 'csrc' / 'k.cpp'\n", "a kernel source named"),
+])
+def test_the_engine_checker_catches(path: str, source: str, rule: str) -> None:
+    found = engine_rules_broken(path, source)
+    assert found and all(rule in f and f.startswith(f"{path}:") for f in found), found
+
+
+@pytest.mark.parametrize(("path", "source"), [
+    ("serving/engine/spec/speculator.py", "isinstance(p, DraftModelProposer)\n"),
+    ("serving/engine/engine.py", "isinstance(x, (int, Speculator))\n"),
+    ("serving/engine/kernels/x.py", "@triton.jit\ndef k(x):\n    pass\nlib = ctypes.CDLL(Path('csrc') / 'k.so')\n"),
+    ("serving/engine/compile.py", "@torch.library.custom_op('specdeploy::attention', mutates_args=())\ndef a(q):\n"
+     "    return q\n"),
+    ("serving/engine/model.py", "from serving.engine.kernels import cpu_attention\nk = cpu_attention.load()\n"),
+])
+def test_the_engine_checker_allows(path: str, source: str) -> None:
+    assert engine_rules_broken(path, source) == []
