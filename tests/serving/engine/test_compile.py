@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 import torch
 
-from serving.engine.build import compiles
 from serving.engine.compile import BUCKETS, attention_op, buckets_up_to
 from serving.engine.types import SamplingParams
 
@@ -18,13 +17,6 @@ def test_buckets_cover_the_largest_step_with_one_bucket_to_spare() -> None:
     assert buckets_up_to(5) == [1, 2, 4, 8]
     assert buckets_up_to(32) == [1, 2, 4, 8, 16, 32]
     assert buckets_up_to(10_000) == list(BUCKETS)  # steps above the largest bucket run eagerly
-
-
-@pytest.mark.parametrize(("mode", "device", "expected"), [
-    ("auto", "cuda", True), ("auto", "cpu", False), ("on", "cpu", True), ("off", "cuda", False),
-])
-def test_compile_mode(mode: str, device: str, expected: bool) -> None:
-    assert compiles(mode, torch.device(device)) is expected
 
 
 def test_attention_op_outside_a_step_says_so() -> None:
@@ -45,7 +37,7 @@ def test_compile_off_and_auto_on_cpu_run_eagerly(llama_dir: Path, kit: Any) -> N
 @pytest.mark.slow
 def test_compiled_steps_give_the_eager_greedy_tokens(llama_dir: Path, kit: Any) -> None:
     # four sequences at most: buckets 1, 2 and 4 (three decoding sequences pad to 4)
-    settings = {"max_num_seqs": 4, "max_num_batched_tokens": 16, "compile": "off"}
+    settings = {"max_concurrency": 4, "max_batched_tokens": 16, "compile": "off"}
     prompts = kit.random_prompts([3, 11, 6, 20], seed=7)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (12, 5, 9, 16)]
     eager = kit.run_to_completion(kit.make_engine(llama_dir, **settings), prompts, params)
@@ -133,7 +125,7 @@ def test_a_decode_step_without_writing_the_cache_equals_the_step_that_writes_it(
 def test_decode_steps_captured_whole_give_the_eager_greedy_tokens(llama_dir: Path, kit: Any) -> None:
     """The whole-decode graphs traced by dynamo (fullgraph, the "eager" backend: inductor cannot lower them on
     CPU), run through the engine with mixed prefill, decode and one-token prompts: the gather engine's tokens."""
-    settings = {"max_num_seqs": 4, "max_num_batched_tokens": 16, "compile": "off", "kv_block_size": 16}
+    settings = {"max_concurrency": 4, "max_batched_tokens": 16, "compile": "off", "kv_block_size": 16}
     prompts = kit.random_prompts([3, 11, 1, 20, 6], seed=9)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (12, 5, 9, 16, 30)]
     eager = kit.run_to_completion(kit.make_engine(llama_dir, **settings), prompts, params)
@@ -161,7 +153,7 @@ def test_speculation_with_paged_attention_keeps_every_graph(llama_dir: Path, kit
     system = kit.random_prompts([40], seed=11)[0]
     prompts = [system + p for p in kit.random_prompts([5, 9, 2], seed=12)]
     params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * len(prompts)
-    settings = {"max_num_seqs": 4, "enable_prefix_caching": True, "compile": "off"}
+    settings = {"max_concurrency": 4, "enable_prefix_caching": True, "compile": "off"}
     plain = kit.run_to_completion(kit.make_engine(llama_dir, **settings), prompts, params)
     spec = SpeculativeConfig(enabled=True, method="ngram", adaptive=True, num_draft_tokens=3)
     engine = kit.make_engine(llama_dir, speculative=spec, **settings)
@@ -189,7 +181,7 @@ def test_the_draft_model_steps_run_through_graphs_too(llama_dir: Path, kit: Any,
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (20, 12, 16)]
     spec = SpeculativeConfig(enabled=True, method="draft", adaptive=False, num_draft_tokens=3,
                              draft_model=str(llama_dir))
-    settings = {"max_num_seqs": 4, "compile": "off", "speculative": spec}
+    settings = {"max_concurrency": 4, "compile": "off", "speculative": spec}
     plain = kit.run_to_completion(kit.make_engine(llama_dir, **settings), prompts, params)
 
     engine = kit.make_engine(llama_dir, **settings)
@@ -224,7 +216,7 @@ def test_a_target_and_its_draft_stay_under_dynamos_recompile_limit(llama_dir: Pa
                              draft_model=str(draft))
     # dynamo's own patch: it restores the setting afterwards (monkeypatch's undo removed it from the config)
     with torch._dynamo.config.patch(recompile_limit=8):
-        engine = kit.make_engine(llama_dir, max_num_seqs=16, compile="off", speculative=spec)
+        engine = kit.make_engine(llama_dir, max_concurrency=16, compile="off", speculative=spec)
         engine.runner.compile_steps(measure=False, backend="eager")
         assert torch._dynamo.config.recompile_limit >= 12
     assert engine.runner.compiled is not None and len(engine.runner.compiled.graphs) == 7  # 1 .. 64 tokens

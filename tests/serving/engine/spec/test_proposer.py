@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from serving.engine.compile import buckets_up_to
 from serving.engine.config import SpeculativeConfig
 from serving.engine.engine import LLMEngine
 from serving.engine.request import Request
@@ -61,6 +62,39 @@ def test_both_proposers_implement_the_protocol(kit: Any, llama_dir: Path) -> Non
         assert isinstance(proposer, Proposer)
         assert inspect.signature(proposer.propose).parameters.keys() == {"reqs", "ks"}
     assert draft.uses_model and not NgramProposer().uses_model
+
+
+def test_ngram_takes_no_start_up_decision() -> None:
+    proposer = NgramProposer()
+    proposer.set_paged_attention(True)
+    proposer.compile_steps(4, measure=False, whole_decode=None, backend="eager")
+    assert proposer.prepare_rollout("auto", 4, "cpp") is None
+    assert proposer.pack_weights("on", None) == [] and proposer.choose_attention("on", tensor_parallel=False) == []
+    assert proposer.decisions() == []
+
+
+def test_the_draft_takes_its_start_up_decisions_through_the_hooks(kit: Any, llama_dir: Path) -> None:
+    draft = DraftModelProposer(kit.make_engine(llama_dir).model, num_blocks=8, block_size=16)
+    draft.set_paged_attention(True)
+    assert draft.model.paged_attention
+    draft.set_paged_attention(False)
+
+    rollout = draft.prepare_rollout("off", 4, "python")
+    assert rollout is draft.rollout_decision and rollout is not None and not rollout.enabled and draft.rollout is None
+    (packing,) = draft.pack_weights("off", None)
+    assert (packing.model, packing.packed, packing.reason) == ("draft", False, "model.cpu_weight_packing is off")
+    (packing,) = draft.pack_weights("on", "device cuda: packing is for CPU")  # the engine's reason is the draft's
+    assert not packing.packed and packing.reason == "device cuda: packing is for CPU"
+    (attention,) = draft.choose_attention("off", tensor_parallel=False)
+    assert (attention.model, attention.kernel) == ("draft", False) and draft.builder.in_place_max_q == 0
+    draft.compile_steps(2, measure=False, whole_decode=False, backend="eager")
+    assert draft.compiled is not None and sorted(draft.compiled.graphs) == buckets_up_to(2)
+    assert draft.decisions() == [("speculative.draft_token_map", "none", "the full vocabulary"),
+                                 ("speculative.draft_rollout", "off", "speculative.draft_rollout is off")]
+
+    draft.rollout = object()  # type: ignore[assignment]  # a compiled rollout keeps the draft's weights plain
+    (packing,) = draft.pack_weights("on", None)
+    assert not packing.packed and "compiled rollout" in packing.reason
 
 
 def test_the_speculator_never_asks_for_a_concrete_proposer_type() -> None:
