@@ -194,7 +194,7 @@ class CompiledForward:
                 k_layers, v_layers = cache.all_layer_blocks()
                 for t in [*k_layers, *v_layers, self.model.rope_cos, self.model.rope_sin]:
                     torch._dynamo.mark_static_address(t)
-        with torch.inference_mode():  # as steps run (LLMEngine.execute): inference tensors, no autograd guards
+        with torch.inference_mode():  # as steps run (ModelRunner.execute): inference tensors, no autograd guards
             for bucket in self.buckets:
                 self._warm_up_bucket(bucket, cache, builder, measure)
                 if self.whole_decode and bucket <= self.max_decode_rows:

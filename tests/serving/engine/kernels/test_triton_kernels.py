@@ -5,7 +5,7 @@ Triton decides at decoration time whether a kernel is compiled or interpreted (T
 once: nothing else in the test process sees it, and `serving.engine.kernels.triton_kernels` itself is untouched.
 Each kernel is held against a float64 reference; shapes stay tiny because the interpreter is slow. The tests
 marked gpu hold the compiled kernels against the same reference on a card at Llama-3-8B's head shapes (`make
-gpu-test`); the kernels inside the engine's compiled and captured steps are in test_cuda_triton.py."""
+gpu-test`); the kernels inside the engine's compiled and captured steps are in test_gpu_kernels.py."""
 
 from __future__ import annotations
 
@@ -165,7 +165,7 @@ def test_residual_rmsnorm_equals_float64_reference(tk: ModuleType, dtype: torch.
 def test_residual_rmsnorm_rounds_as_the_model_does(tk: ModuleType) -> None:
     """In bf16 the sum is rounded before the norm, and the normalised row before the scale (model.RMSNorm), so the
     fused kernel is within a few bf16 steps of `RMSNorm(x + residual)`. (The interpreter narrows to bf16 by truncating
-    where a GPU rounds to nearest: bit equality with the model is checked on the GPU, test_cuda_triton.py.)"""
+    where a GPU rounds to nearest: bit equality with the model is checked on the GPU, test_gpu_kernels.py.)"""
     from serving.engine.model import RMSNorm
 
     gen = torch.Generator().manual_seed(7)
