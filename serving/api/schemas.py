@@ -9,8 +9,17 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from serving.engine.types import (
+    LOGIT_BIAS_RANGE,
+    MAX_LOGPROBS,
+    MIN_TOP_K,
+    PENALTY_RANGE,
+    SEED_RANGE,
+    TEMPERATURE_RANGE,
+    TOP_P_RANGE,
+)
+
 MAX_STOP_SEQUENCES = 4
-MAX_LOGPROBS = 20
 MAX_CHOICES = 16  # n (and best_of): engine requests one HTTP request may start
 MAX_PROMPTS = 32  # prompts in one completions request (choices: prompts x n, at most 4 x MAX_CHOICES)
 # Errors these schemas raise with their own code; the message names the field itself.
@@ -18,8 +27,6 @@ EMPTY_PROMPT = "empty_prompt"
 INVALID_TEXT = "invalid_text"
 UNSUPPORTED_FIELD = "unsupported_field"
 SCHEMA_ERROR_CODES = frozenset({EMPTY_PROMPT, INVALID_TEXT, UNSUPPORTED_FIELD})
-# torch.Generator.manual_seed takes a signed 64-bit seed; a bigger one used to crash the engine loop.
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 def _lone_surrogate(value: Any, path: str) -> tuple[str, str] | None:
@@ -139,17 +146,17 @@ class RefusingBody(ApiBody):
 
 class SamplingFields(RefusingBody):
     model: str = Field(..., min_length=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    temperature: float | None = Field(None, ge=TEMPERATURE_RANGE[0], le=TEMPERATURE_RANGE[1])
+    top_p: float | None = Field(None, gt=TOP_P_RANGE[0], le=TOP_P_RANGE[1])
+    top_k: int | None = Field(None, ge=MIN_TOP_K)
     n: int | None = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None  # token id (as a string, JSON keys are) -> bias in [-100, 100]
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    presence_penalty: float | None = Field(0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+    frequency_penalty: float | None = Field(0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+    logit_bias: dict[str, float] | None = None  # token id (as a string, JSON keys are) -> bias in LOGIT_BIAS_RANGE
     ignore_eos: bool = False  # extension (benchmarks): generate exactly max_tokens
     response_format: ResponseFormat | None = None
     user: str | None = None
@@ -160,8 +167,9 @@ class SamplingFields(RefusingBody):
         for token, bias in (value or {}).items():
             if not token.isdigit():
                 raise ValueError(f"keys must be token ids, got {token!r}")
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"bias of token {token} must be between -100 and 100, got {bias}")
+            if not LOGIT_BIAS_RANGE[0] <= bias <= LOGIT_BIAS_RANGE[1]:
+                raise ValueError(f"bias of token {token} must be between {LOGIT_BIAS_RANGE[0]:g} and "
+                                 f"{LOGIT_BIAS_RANGE[1]:g}, got {bias}")
         return value
 
     @property
@@ -318,8 +326,7 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("tool_choice requires tools")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
             raise ValueError(f"tool_choice names function {self.tool_choice.function.name!r}, which is not in tools")
-        forced = self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
-        if forced and self.response_format is not None and self.response_format.type != "text":
+        if self.forced_tool_choice and self.response_format is not None and self.response_format.type != "text":
             raise ValueError("response_format cannot be combined with a forced tool_choice")
         return self
 
@@ -332,3 +339,166 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def output_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def forced_tool_choice(self) -> bool:
+        """One call of a tool must be made: tool_choice "required" or a named function (a grammar enforces it)."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    @property
+    def tools_active(self) -> bool:
+        """Tools go into the prompt and calls are parsed out of the output (not with tool_choice "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+# ---- the Responses API (POST /v1/responses): translated to a chat request by serving/api/admit.py ----------
+#
+# The server keeps nothing: `previous_response_id` and `conversation` (which need a stored response) are refused
+# with a 400 that says so; send the earlier items in `input` instead.
+
+NOTHING_STORED = ("this server stores no responses; send the earlier output items (messages, function_call and "
+                  "function_call_output items) in input instead")
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+class InputTextPart(ApiBody):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class InputMessage(ApiBody):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[InputTextPart]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(ApiBody):
+    type: Literal["function_call"]
+    call_id: str = Field(..., min_length=1)
+    name: str = Field(..., min_length=1)
+    arguments: str
+
+
+class FunctionCallOutputItem(ApiBody):
+    type: Literal["function_call_output"]
+    call_id: str = Field(..., min_length=1)
+    output: str | list[InputTextPart]
+
+    @property
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+
+
+InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem
+_ITEM_TYPES: dict[str, type[ApiBody]] = {"message": InputMessage, "function_call": FunctionCallItem,
+                                       "function_call_output": FunctionCallOutputItem}
+
+
+class FunctionTool(ApiBody):
+    type: Literal["function"]
+    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class TextFormat(JsonSchemaFormat):
+    """text.format: chat's json_schema object flattened beside its type, and its schema required."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # type: ignore[assignment]
+
+    @model_validator(mode="after")
+    def _schema_with_json_schema(self) -> TextFormat:
+        if self.type == "json_schema" and self.schema_ is None:
+            raise ValueError("type json_schema needs a schema")
+        return self
+
+
+class TextConfig(ApiBody):
+    format: TextFormat | None = None  # verbosity: a hint, ignored
+
+
+class ResponsesRequest(RefusingBody):
+    refused_fields: ClassVar[dict[str, str]] = {
+        "previous_response_id": NOTHING_STORED,
+        "conversation": NOTHING_STORED,
+        "prompt": "stored prompt templates live on OpenAI's platform; send the text in input",
+        "background": "background responses need stored responses to poll; this server stores none",
+        "moderation": "the server runs no moderation model; moderate the input and output before and after",
+        "context_management": "the server does not compact conversations",
+    }
+
+    model: str = Field(..., min_length=1)
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=TEMPERATURE_RANGE[0], le=TEMPERATURE_RANGE[1])
+    top_p: float | None = Field(None, gt=TOP_P_RANGE[0], le=TOP_P_RANGE[1])
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    include: list[str] | None = None
+    stream: bool | None = False
+    text: TextConfig | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    truncation: Literal["disabled"] | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    # extensions, as on chat: the seed of the request's draws (docs/server.md), top-k sampling
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    top_k: int | None = Field(None, ge=MIN_TOP_K)
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _known_items(cls, value: Any) -> Any:
+        """Each item by its type (a message may leave it out); an item of another type is refused by name."""
+        if not isinstance(value, list):
+            return value
+        if not value:
+            raise ValueError("input is empty")
+        items = []
+        for i, item in enumerate(value):
+            kind = item.get("type", "message") if isinstance(item, dict) else None
+            if kind not in _ITEM_TYPES:
+                raise ValueError(f"item {i} has type {kind!r}; this server takes message, function_call and "
+                                 "function_call_output items (text only)")
+            items.append(_ITEM_TYPES[kind].model_validate(item))
+        return items
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _function_tools(cls, value: Any) -> Any:
+        for tool in value or []:
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind != "function":
+                raise ValueError(f"tool type {kind!r} is not supported: the server runs function tools only")
+        return value
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_shape(cls, value: Any) -> Any:
+        return check_tool_choice(value, '{"type": "function", "name": ...}')
+
+    @field_validator("truncation", mode="before")
+    @classmethod
+    def _no_truncation(cls, value: Any) -> Any:
+        if value == "auto":
+            raise ValueError("auto is not supported: the server never drops input; an input over the context "
+                             "length is a 400")
+        return value
+
+    @field_validator("input")
+    @classmethod
+    def _some_text(cls, value: str | list[InputItem]) -> str | list[InputItem]:
+        if value == "":
+            raise ValueError("input is empty")
+        return value
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS_INCLUDE in (self.include or []) or self.top_logprobs is not None

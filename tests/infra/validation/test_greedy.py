@@ -1,5 +1,5 @@
 """The launch check's verdict on greedy texts that part with speculation on (infra/validation/greedy.py), on
-responses in the server's own logprobs shapes (serving/api/routes/logprobs.py)."""
+responses in the server's own logprobs shapes (serving/api/render/logprobs.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from infra.validation.greedy import ROUNDING_TOLERANCE, classify, token_steps
-from serving.api.routes.logprobs import chat_logprobs, completion_logprobs
+from serving.api.render.logprobs import chat_logprobs, completion_logprobs
 from serving.engine.types import TokenLogprobs
 
 

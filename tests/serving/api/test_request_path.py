@@ -11,10 +11,11 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from serving.api import generation
+from serving.api import admit
 from serving.api.settings import Settings
 from serving.config import ServerConfig
 from serving.engine.engine import LLMEngine
+from serving.engine.model_runner import ModelRunner
 from serving.engine.types import SamplingParams
 from serving.main import create_app
 
@@ -63,8 +64,8 @@ def test_each_check_runs_once_per_request(
 ) -> None:
     engine_admission = Counter(monkeypatch, LLMEngine, "check_admission")
     validation = Counter(monkeypatch, SamplingParams, "validate")
-    server_admission = Counter(monkeypatch, generation, "admit")
-    limits = Counter(monkeypatch, generation, "resolve_max_tokens")
+    server_admission = Counter(monkeypatch, admit, "check_queue_wait")
+    limits = Counter(monkeypatch, admit, "server_limits")
     response = client.post(path, json={"model": "tiny", **body})
     assert response.status_code == 200, response.text
     if body.get("stream"):
@@ -88,7 +89,7 @@ def test_an_engine_refusal_is_mapped_once_and_nothing_runs(client: TestClient, m
 def test_an_empty_prompt_is_refused_by_the_schema(
     client: TestClient, monkeypatch: pytest.MonkeyPatch, prompt: Any
 ) -> None:
-    limits = Counter(monkeypatch, generation, "resolve_max_tokens")
+    limits = Counter(monkeypatch, admit, "server_limits")
     response = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt})
     assert response.status_code == 400
     assert response.json()["error"] == {"message": "prompt is empty", "type": "invalid_request_error",
@@ -96,28 +97,28 @@ def test_an_empty_prompt_is_refused_by_the_schema(
     assert limits.calls == 0  # refused before the request path began
 
 
-def test_the_routers_only_build_the_prompt() -> None:
-    from serving.api.routes import chat, completions
+def test_the_routers_only_call_admit_run_respond() -> None:
+    from serving.api.routes import chat, completions, responses
 
-    for router in (chat, completions):
+    for router in (chat, completions, responses):
         source = Path(router.__file__).read_text()
-        assert "start_choices(" in source and "respond(" in source  # start_choices: start_run per choice
-        for check in ("resolve_max_tokens", "check_admission", ".validate(", "prompt is empty"):
+        assert "await admit_" in source and "run.start(" in source and "await respond." in source
+        for check in ("server_limits", "check_admission", ".validate(", "prompt is empty", "encode"):
             assert check not in source, f"{router.__name__} checks {check} itself"
 
 
 def _fail_next_steps(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
     """The engine's next `count` forward steps raise (as an out-of-memory on a rare shape would)."""
-    original = LLMEngine.execute
+    original = ModelRunner.execute
     left = [count]
 
-    def execute(self: LLMEngine, sched: Any) -> Any:
+    def execute(self: ModelRunner, sched: Any, blocks: Any) -> Any:
         if left[0] > 0:
             left[0] -= 1
             raise RuntimeError("injected step fault")
-        return original(self, sched)
+        return original(self, sched, blocks)
 
-    monkeypatch.setattr(LLMEngine, "execute", execute)
+    monkeypatch.setattr(ModelRunner, "execute", execute)
 
 
 def test_a_failed_engine_step_is_a_503_for_its_requests_and_the_server_stays_ready(
@@ -139,16 +140,16 @@ def test_a_failed_engine_step_is_a_503_for_its_requests_and_the_server_stays_rea
 def test_a_failed_step_mid_stream_ends_the_stream_with_an_error_event(
     client: TestClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    original = LLMEngine.execute
+    original = ModelRunner.execute
     calls = [0]
 
-    def execute(self: LLMEngine, sched: Any) -> Any:
+    def execute(self: ModelRunner, sched: Any, blocks: Any) -> Any:
         calls[0] += 1
         if calls[0] == 3:  # after the first tokens went out
             raise RuntimeError("injected step fault")
-        return original(self, sched)
+        return original(self, sched, blocks)
 
-    monkeypatch.setattr(LLMEngine, "execute", execute)
+    monkeypatch.setattr(ModelRunner, "execute", execute)
     response = client.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 20,
                                                      "ignore_eos": True, "stream": True})
     assert response.status_code == 200

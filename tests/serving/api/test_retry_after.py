@@ -5,8 +5,8 @@ from __future__ import annotations
 
 def test_retry_after_before_any_request_finished_follows_the_running_ones() -> None:
     """Issue 18 item 9: Retry-After was 1 s while admitted requests took seconds (no finished request yet)."""
-    from serving.api.generation import _retry_after
     from serving.api.metrics import ServerMetrics
+    from serving.api.run import _retry_after
     from serving.api.settings import Settings
     from serving.api.state import ServerState
 

@@ -94,15 +94,14 @@ class _BusyEngine:
 
 
 def test_admission_refuses_at_once_when_the_expected_wait_exceeds_the_timeout() -> None:
+    from serving.api.admit import check_queue_wait
     from serving.api.errors import ApiError
-    from serving.api.generation import admit
-    from serving.engine.types import GenerationRequest
 
     state = ServerState(settings=Settings(config=CONFIG), metrics=ServerMetrics(speculative=False))
     state.begin_request()
     state.end_request(e2e_s=4.0)
     with pytest.raises(ApiError) as info:
-        admit(state, _BusyEngine(), GenerationRequest("r", [1, 2]))  # type: ignore[arg-type]
+        check_queue_wait(state, _BusyEngine())  # type: ignore[arg-type]
     assert info.value.status == 503
     assert "expected queue wait 12.0s exceeds the request timeout 10s" in info.value.message
     assert info.value.headers()["Retry-After"] == "12"

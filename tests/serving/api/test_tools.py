@@ -8,8 +8,9 @@ import random
 import pytest
 from pydantic import ValidationError
 
+from serving.api.admit import fallback_messages, grammar_spec
+from serving.api.render.tool_calls import ToolCallStream, parse_tool_calls
 from serving.api.schemas import ChatCompletionRequest
-from serving.api.tools import ToolCallStream, fallback_messages, grammar_spec, parse_tool_calls
 
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -116,8 +117,7 @@ def test_bad_tool_fields_are_refused_naming_the_problem(fields: dict[str, object
 def test_a_template_that_knows_tools_gets_them_and_the_calls_as_objects() -> None:
     from transformers import AutoTokenizer
 
-    from serving.api.routes.chat import encode_chat
-    from serving.api.tools import chat_messages, template_tools
+    from serving.api.admit import chat_messages, encode_chat, template_tools
     from serving.demo import tokenizer_path
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path()))

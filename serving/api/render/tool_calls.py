@@ -1,152 +1,19 @@
-"""Structured outputs and tool calling at the API: what grammar a request needs, the prompt its tools give, and
-the tool calls parsed back out of the output (whole, or chunk by chunk for a stream).
-
-Grammars are compiled here, in a worker thread and cached by schema (serving/engine/grammar.py), and handed
-to the engine request already compiled: the engine loop never compiles.
+"""Tool calls parsed back out of the output, whole or chunk by chunk for a stream.
 
 Tool calls use one text convention, the Hermes / Qwen one: `<tool_call>{"name": ..., "arguments": {...}}
-</tool_call>`. A chat template that knows tools (it mentions `tools`) gets them through
-`apply_chat_template(..., tools=...)`; any other template gets the documented fallback: a system message that
-lists the tools and this format, assistant tool calls written back in the format and tool results as user
-messages in `<tool_response>` tags. `tool_choice` "required" or a named function is enforced by a grammar
-(one call, of one of the allowed functions, with arguments valid against its parameters); "auto" lets the
-model choose and parses whatever calls it writes; "none" leaves the tools out of the prompt.
+</tool_call>` (serving/api/admit.py puts the tools into the prompt and compiles the grammar a forced
+tool_choice needs). Here the output is split into content and calls in OpenAI's shapes.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from serving.api.errors import ApiError
-from serving.api.schemas import ChatCompletionRequest, NamedToolChoice, SamplingFields
-from serving.engine.grammar import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, GrammarError, GrammarSpec, compiler_for
-
-# ---- grammars ---------------------------------------------------------------------------------------------
-
-
-def grammar_spec(body: SamplingFields) -> tuple[GrammarSpec, str] | None:
-    """The grammar a request's output must follow, and the field that asked for it (None: unconstrained)."""
-    if isinstance(body, ChatCompletionRequest) and body.tools and forced_tool_choice(body):
-        choice = body.tool_choice
-        allowed = [t.function for t in body.tools
-                   if not isinstance(choice, NamedToolChoice) or t.function.name == choice.function.name]
-        return _spec(lambda: GrammarSpec.tool_call({f.name: f.parameters for f in allowed}), "tools"), "tools"
-    fmt = body.response_format
-    if fmt is None or fmt.type == "text":
-        return None
-    if fmt.type == "json_object":
-        return GrammarSpec("json_object"), "response_format"
-    assert fmt.json_schema is not None
-    schema = fmt.json_schema.schema_
-    spec = GrammarSpec("json_object") if not schema else _spec(lambda: GrammarSpec.json_schema(schema),
-                                                              "response_format")
-    return spec, "response_format"
-
-
-def _spec(make: Any, param: str) -> GrammarSpec:
-    try:
-        spec: GrammarSpec = make()
-    except GrammarError as exc:
-        raise ApiError(400, f"{param}: {exc}", param=param, code="invalid_schema") from exc
-    return spec
-
-
-async def compile_grammar(engine: Any, body: SamplingFields) -> Any | None:
-    """The request's compiled grammar (None: unconstrained), compiled off the event loop; a schema xgrammar
-    cannot compile is a 400 naming the problem."""
-    wanted = grammar_spec(body)
-    if wanted is None:
-        return None
-    spec, param = wanted
-    if engine.tokenizer is None:
-        raise ApiError(400, f"{param}: structured output needs a tokenizer; this model has none", param=param)
-    compiler = compiler_for(engine.tokenizer)
-    try:
-        return await asyncio.to_thread(compiler.compile, spec)
-    except GrammarError as exc:
-        raise ApiError(400, f"{param}: {exc}", param=param, code="invalid_schema") from exc
-
-
-def attach_grammar(runs: list[Any], compiled: Any | None) -> None:
-    """Every choice's engine request follows the grammar (each gets its own matcher in the engine)."""
-    for run in runs:
-        run.request.grammar = compiled
-
-
-# ---- prompts ----------------------------------------------------------------------------------------------
-
-
-def forced_tool_choice(body: ChatCompletionRequest) -> bool:
-    return body.tool_choice == "required" or isinstance(body.tool_choice, NamedToolChoice)
-
-
-def tools_active(body: ChatCompletionRequest) -> bool:
-    """Tools go into the prompt and calls are parsed out of the output (not with tool_choice "none")."""
-    return bool(body.tools) and body.tool_choice != "none"
-
-
-def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """The conversation as chat templates take it: OpenAI's shape, tool call arguments parsed to objects."""
-    messages: list[dict[str, Any]] = []
-    for m in body.messages:
-        message: dict[str, Any] = {"role": m.role, "content": m.text}
-        if m.tool_calls:
-            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": _arguments_object(c.function.arguments)}}
-                for c in m.tool_calls]
-        if m.tool_call_id:
-            message["tool_call_id"] = m.tool_call_id
-        if m.name:
-            message["name"] = m.name
-        messages.append(message)
-    return messages
-
-
-def _arguments_object(arguments: str) -> Any:
-    try:
-        return json.loads(arguments) if arguments else {}
-    except json.JSONDecodeError as exc:
-        raise ApiError(400, f"messages: tool call arguments are not JSON: {exc}", param="messages") from exc
-
-
-def template_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
-    if not tools_active(body):
-        return None
-    return [t.model_dump(exclude_none=True) for t in body.tools or []]
-
-
-def template_knows_tools(tokenizer: Any) -> bool:
-    template = getattr(tokenizer, "chat_template", None)
-    return isinstance(template, str) and "tools" in template
-
-
-def fallback_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, str]]:
-    """For a template without tool support: tools described in a system message, calls and results as text."""
-    out: list[dict[str, str]] = []
-    if tools:
-        listing = "\n".join(json.dumps(t["function"], sort_keys=True) for t in tools)
-        out.append({"role": "system", "content": (
-            "You may call functions. The available functions, one JSON object each:\n" + listing + "\n"
-            f'To call one, reply with {TOOL_CALL_OPEN}{{"name": <function name>, "arguments": <arguments '
-            f"object>}}{TOOL_CALL_CLOSE}; function results come back in <tool_response></tool_response> tags.")})
-    for m in messages:
-        if m["role"] == "tool":
-            out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
-            continue
-        text = m["content"]
-        for call in m.get("tool_calls", []):
-            payload = json.dumps({"name": call["function"]["name"], "arguments": call["function"]["arguments"]})
-            text += f"{TOOL_CALL_OPEN}{payload}{TOOL_CALL_CLOSE}"
-        out.append({"role": m["role"], "content": text})
-    return out
-
-
-# ---- parsing ----------------------------------------------------------------------------------------------
+from serving.engine.grammar import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 
 def new_call_id() -> str:
@@ -298,18 +165,6 @@ def _partial_suffix(text: str, tag: str) -> int:
         if text.endswith(tag[:n]):
             return n
     return 0
-
-
-def assistant_message(body: ChatCompletionRequest, text: str, finish_reason: str | None
-                      ) -> tuple[dict[str, Any], str | None]:
-    """The whole response's message and finish reason: tool calls parsed out when tools are on."""
-    if not tools_active(body):
-        return {"role": "assistant", "content": text}, finish_reason
-    content, calls = parse_tool_calls(text)
-    if not calls:
-        return {"role": "assistant", "content": text}, finish_reason
-    return {"role": "assistant", "content": content, "tool_calls": calls}, (
-        "tool_calls" if finish_reason == "stop" else finish_reason)
 
 
 def tool_call_deltas(pieces: list[CallPiece]) -> list[dict[str, Any]]:
