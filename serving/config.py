@@ -36,9 +36,9 @@ MEASURED_IN = "docs/benchmarks/log.md"
 ENV_PREFIX = "SPECDEPLOY__"
 ENV_DELIMITER = "__"
 
-# A precision the stack names for its fleet (the capacity plan needs one); the server also takes `auto`.
+# A precision the stack names for its fleet (the capacity plan needs one); the server and engine also take `auto`.
 Precision = Literal["fp32", "fp16", "bf16"]
-Dtype = Literal["auto", "fp32", "fp16", "bf16"]
+Dtype = Literal["auto", Precision]
 # auto: the engine measures at start-up (serving.engine.cpu_threads)
 NumThreads = Annotated[int, Field(ge=1, le=1024)] | Literal["auto"]
 
@@ -88,6 +88,18 @@ class ServiceSection(StrictModel):
     )
     metrics_require_auth: bool = Field(False, description="Require an API key for GET /metrics.")
     max_body_bytes: int = Field(1_048_576, ge=1024, description="Largest accepted request body (413 above).")
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="A connection's request headers must be complete this long after it opened (or after "
+        "its previous response), else it is closed: a client sending a byte at a time holds no connection forever.",
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="A request body's next part must arrive within this long of the previous one, else a "
+        "408 and the connection closes.",
+    )
+    max_unauthenticated_connections: int = Field(
+        256, ge=1, description="Open connections that have not yet made a request with a valid API key; at the cap a "
+        "new connection evicts the oldest of them that is idle or still sending headers, or gets a 503.",
+    )
     drain_grace_s: float = Field(
         30.0, gt=0, le=3600, description="After SIGTERM, how long in-flight requests may run before exit."
     )
@@ -111,6 +123,10 @@ RolloutWrapper = Literal["cpp", "python"]
 DecodeAttentionMode = Literal["auto", "on", "off"]
 
 
+# The KV cache budget on CPU where the config sets none (the local stacks' local.kv_cache_mb default too).
+CPU_KV_CACHE_BYTES = 256 * 2**20
+
+
 class ModelSection(StrictModel):
     path: str = Field(..., min_length=1, description="Directory with config.json, safetensors and tokenizer.")
     dtype: Dtype = Field(
@@ -128,7 +144,8 @@ class ModelSection(StrictModel):
         0.85, gt=0.1, le=0.95, description="Share of GPU memory the server may use (weights + KV cache)."
     )
     kv_cache_bytes: int | None = Field(
-        None, gt=0, description="Explicit KV cache budget in bytes (CPU, or to override the GPU sizing)."
+        None, gt=0, description="Explicit KV cache budget in bytes (CPU, or to override the GPU sizing). Unset: "
+        f"{CPU_KV_CACHE_BYTES // 2**20} MiB on CPU; on CUDA what max_memory_utilization leaves after the weights.",
     )
     max_model_len: int | None = Field(
         None, gt=0, description="Context limit; default max_input_len + max_output_len."

@@ -20,7 +20,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from serving.api.auth import RateLimiter, authenticate
-from serving.api.connections import ConnectionGuard, ConnectionLimits, protocol_class
+from serving.api.connections import ConnectionGuard, protocol_class
 from serving.api.errors import install_error_handlers
 from serving.api.lifecycle import EngineFactory, build_engine, start_serving
 from serving.api.metrics import ServerMetrics
@@ -58,11 +58,11 @@ def create_app(settings: Settings, engine_factory: EngineFactory | None = None) 
                   openapi_url=None)
     app.state.server = state
     app.state.rate_limiter = RateLimiter()
-    limits = ConnectionLimits.from_env()
-    app.state.connections = ConnectionGuard(limits)
+    service = settings.config.service
+    app.state.connections = ConnectionGuard(service)
     install_error_handlers(app)
-    app.add_middleware(RequestContextMiddleware, metrics=state.metrics,
-                       max_body_bytes=settings.config.service.max_body_bytes, body_timeout_s=limits.body_timeout_s)
+    app.add_middleware(RequestContextMiddleware, metrics=state.metrics, max_body_bytes=service.max_body_bytes,
+                       body_timeout_s=service.body_timeout_s)
 
     authenticated = [Depends(authenticate)]
     app.include_router(health.router)

@@ -126,7 +126,7 @@ def decode_tokens_per_s(model_dir: Path, new_tokens: int, compile_mode: str, qua
     counters.clear()
     started = time.perf_counter()
     engine = LLMEngine.from_config(EngineConfig(
-        model=str(model_dir), dtype="bf16", device="cuda", max_num_seqs=1, max_model_len=1024,
+        model=str(model_dir), dtype="bf16", device="cuda", max_concurrency=1, max_model_len=1024,
         compile="off" if compile_mode == "piecewise" else compile_mode, quantization=quantization,
         **({"kv_cache_bytes": kv_cache_bytes} if kv_cache_bytes else {})))
     if compile_mode == "piecewise":

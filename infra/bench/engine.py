@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from infra.bench.step_profile import StepBreakdown, profile_steps
-from serving.config import CompileMode, DecodeAttentionMode, WeightPacking
+from serving.config import CompileMode, DecodeAttentionMode, Dtype, WeightPacking
 from serving.engine.compile import BucketDecision
-from serving.engine.config import DType, EngineConfig
+from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine
 from serving.engine.types import GenerationRequest, SamplingParams
 
@@ -155,14 +155,14 @@ def run_engine_benchmark(
     device: str = "cpu",
     repeats: int = 2,
     compile_mode: CompileMode = "auto",
-    dtype: DType = "auto",
+    dtype: Dtype = "auto",
     weight_packing: WeightPacking = "auto",
     decode_attention: DecodeAttentionMode = "auto",
 ) -> EngineBenchReport:
     max_c = max(concurrencies)
     # the server's defaults but for what a flag sets (threads "auto": the engine decides, as a server does)
     config = EngineConfig(model=str(model_dir), device=device,
-                          max_num_seqs=max(max_c, EngineConfig.model_fields["max_num_seqs"].default),
+                          max_concurrency=max(max_c, EngineConfig.model_fields["max_concurrency"].default),
                           num_threads=threads, compile=compile_mode, dtype=dtype, cpu_weight_packing=weight_packing,
                           cpu_decode_attention=decode_attention)
     engine = LLMEngine.from_config(config)

@@ -273,8 +273,8 @@ def make_engine(model: Any, plan: Plan, num_blocks: int) -> Any:
 
     dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[plan.dtype]
     config = EngineConfig(model="random-weights", device=plan.device, dtype=dtype, kv_block_size=_BLOCK_SIZE,
-                          max_num_seqs=max(plan.batches),
-                          max_model_len=plan.max_model_len, max_num_batched_tokens=2048, enable_prefix_caching=False,
+                          max_concurrency=max(plan.batches),
+                          max_model_len=plan.max_model_len, max_batched_tokens=2048, enable_prefix_caching=False,
                           compile="off", cpu_weight_packing="off", cpu_decode_attention="off")
     return LLMEngine(ModelRunner(model, config, num_blocks), config)
 

@@ -88,7 +88,7 @@ def run_grammar_benchmark(model_dir: Path, concurrencies: list[int], output_len:
         spec = SpeculativeConfig(enabled=True, method="draft", draft_model=str(draft_dir))
     engine = LLMEngine.from_config(EngineConfig(
         model=str(model_dir), device=device, num_threads=threads, speculative=spec,
-        max_num_seqs=max(concurrencies), max_num_batched_tokens=max(512, max(concurrencies) * 2)))
+        max_concurrency=max(concurrencies), max_batched_tokens=max(512, max(concurrencies) * 2)))
     if engine.tokenizer is None:
         raise ValueError(f"{model_dir} has no tokenizer: constrained decoding needs one")
     compiler = GrammarCompiler(engine.tokenizer, vocab_size=engine.args.vocab_size,

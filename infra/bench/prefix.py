@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from infra.bench.engine import default_prompts
-from serving.config import DecodeAttentionMode, WeightPacking
+from serving.config import CPU_KV_CACHE_BYTES, DecodeAttentionMode, WeightPacking
 from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine
 from serving.engine.types import GenerationRequest, SamplingParams
@@ -120,8 +120,8 @@ def run_prefix_benchmark(
         raise ValueError("requests, concurrency, system prompt tokens and output length must all be positive")
     engines = {}
     for caching in (False, True):
-        config = EngineConfig(model=str(model_dir), device=device, kv_cache_bytes=256 * 2**20,
-                              max_num_seqs=max(concurrency, 1), max_num_batched_tokens=2048, num_threads=threads,
+        config = EngineConfig(model=str(model_dir), device=device, kv_cache_bytes=CPU_KV_CACHE_BYTES,
+                              max_concurrency=max(concurrency, 1), max_batched_tokens=2048, num_threads=threads,
                               enable_prefix_caching=caching, cpu_weight_packing=weight_packing,
                               cpu_decode_attention=decode_attention)
         engines[caching] = LLMEngine.from_config(config)

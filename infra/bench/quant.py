@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from infra.bench.engine import bench_engine, default_prompts
-from serving.config import Quantization
+from serving.config import CPU_KV_CACHE_BYTES, Quantization
 from serving.engine.batch import SequenceInput, build_forward_batch
 from serving.engine.config import EngineConfig
 from serving.engine.engine import LLMEngine
@@ -104,7 +104,7 @@ def run_quant_benchmark(
     engines = {
         m: LLMEngine.from_config(EngineConfig(
             model=str(model_dir), device="cpu", dtype="fp32", quantization=m,
-            kv_cache_bytes=256 * 2**20, max_num_seqs=max_c, max_num_batched_tokens=max(512, max_c),
+            kv_cache_bytes=CPU_KV_CACHE_BYTES, max_concurrency=max_c, max_batched_tokens=max(512, max_c),
             num_threads=threads))
         for m in methods
     }

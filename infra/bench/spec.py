@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from infra.bench.step_profile import profile_steps
-from serving.config import DecodeAttentionMode, DraftRolloutMode, RolloutWrapper, WeightPacking
+from serving.config import DecodeAttentionMode, DraftRolloutMode, Dtype, RolloutWrapper, WeightPacking
 from serving.engine.batch import SequenceInput, build_forward_batch
-from serving.engine.config import CompileMode, DType, EngineConfig, SpeculativeConfig
+from serving.engine.config import CompileMode, EngineConfig, SpeculativeConfig
 from serving.engine.engine import LLMEngine
 from serving.engine.kv_cache import BlockManager, KVCache
 from serving.engine.model import Transformer
@@ -119,13 +119,13 @@ class SpecBenchReport:
         return next((r for r in self.c1 if r.system == system and r.tokens_per_s > 0), None)
 
 
-def make_engine(target: Path, spec: SpeculativeConfig, max_num_seqs: int, threads: int | str = "auto",
-                compile_mode: CompileMode = "auto", dtype: DType = "auto",
+def make_engine(target: Path, spec: SpeculativeConfig, max_concurrency: int, threads: int | str = "auto",
+                compile_mode: CompileMode = "auto", dtype: Dtype = "auto",
                 weight_packing: WeightPacking = "auto", decode_attention: DecodeAttentionMode = "auto") -> LLMEngine:
     """An engine on the server's defaults but for what the bench's flags set."""
     return LLMEngine.from_config(EngineConfig(
         model=str(target), device="cpu",
-        max_num_seqs=max(max_num_seqs, EngineConfig.model_fields["max_num_seqs"].default),
+        max_concurrency=max(max_concurrency, EngineConfig.model_fields["max_concurrency"].default),
         num_threads=threads, speculative=spec, compile=compile_mode,
         dtype=dtype, cpu_weight_packing=weight_packing, cpu_decode_attention=decode_attention,
     ))
@@ -358,7 +358,7 @@ def run_spec_benchmark(
     repeats: int = 2,
     compile_mode: CompileMode = "auto",
     adaptive: bool = True,
-    dtype: DType = "auto",
+    dtype: Dtype = "auto",
     weight_packing: WeightPacking = "auto",
     draft_rollout: DraftRolloutMode = "auto",
     rollout_wrapper: RolloutWrapper = "cpp",

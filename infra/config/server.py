@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field, field_validator
 
 from serving.config import (
+    CPU_KV_CACHE_BYTES,
     ModelSection,
     NumThreads,
     Precision,
@@ -78,7 +79,7 @@ class ServiceSpec(StrictModel):
 class LocalSpec(StrictModel):
     state_dir: str = Field(".specdeploy/local", description="Pid, log, rendered config and weight cache.")
     host: str = Field("127.0.0.1", description="Loopback address the local server binds.")
-    kv_cache_mb: int = Field(256, ge=1, description="KV cache budget on CPU, in MiB.")
+    kv_cache_mb: int = Field(CPU_KV_CACHE_BYTES // 2**20, ge=1, description="KV cache budget on CPU, in MiB.")
     runtime: Literal["process", "container"] = Field(
         "process", description="`process`: the server runs from this checkout; `container`: from `image` (podman)."
     )

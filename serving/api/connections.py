@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,31 +17,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from serving.api.errors import error_body
-
-
-@dataclass
-class ConnectionLimits:
-    header_timeout_s: float = 10.0  # from connect (or the end of the previous response) to complete headers
-    body_timeout_s: float = 30.0  # between two reads of a request body
-    max_unauthenticated: int = 256  # open connections that have not yet sent a request with a valid key
-
-    @classmethod
-    def from_env(cls) -> ConnectionLimits:
-        def number(name: str, default: float) -> float:
-            raw = os.environ.get(name)
-            if raw is None:
-                return default
-            try:
-                value = float(raw)
-            except ValueError:
-                raise ValueError(f"{name}={raw!r} is not a number") from None
-            if value <= 0:
-                raise ValueError(f"{name} must be positive, got {raw}")
-            return value
-
-        return cls(number("SPECDEPLOY_HEADER_TIMEOUT_S", cls.header_timeout_s),
-                   number("SPECDEPLOY_BODY_TIMEOUT_S", cls.body_timeout_s),
-                   int(number("SPECDEPLOY_MAX_UNAUTHENTICATED_CONNECTIONS", cls.max_unauthenticated)))
+from serving.config import ServiceSection
 
 
 @dataclass
@@ -51,16 +26,17 @@ class ConnectionGuard:
 
     At the cap a new connection evicts the oldest unauthenticated one that is idle between requests or
     still sending headers (a slow client holds its slot only until someone needs it); if every one is
-    mid-request the new connection gets a 503."""
+    mid-request the new connection gets a 503. The limits are the server config's (service.header_timeout_s,
+    service.max_unauthenticated_connections; service.body_timeout_s is the middleware's)."""
 
-    limits: ConnectionLimits
+    limits: ServiceSection
     unauthenticated: dict[tuple[str, int], Any] = field(default_factory=dict)  # peer -> protocol, oldest first
     authenticated_peers: set[tuple[str, int]] = field(default_factory=set)
     refused_total: int = 0
     evicted_total: int = 0
 
     def opened(self, peer: tuple[str, int], protocol: Any) -> bool:
-        if len(self.unauthenticated) >= self.limits.max_unauthenticated:
+        if len(self.unauthenticated) >= self.limits.max_unauthenticated_connections:
             victim = next((p for p in self.unauthenticated.values() if p.evictable()), None)
             if victim is None:
                 self.refused_total += 1

@@ -26,7 +26,7 @@ STATUS_CLIENT_CLOSED = 499  # nginx's convention for "client went away first"
 
 class RequestContextMiddleware:
     def __init__(self, app: ASGIApp, metrics: ServerMetrics, max_body_bytes: int,
-                 body_timeout_s: float = 30.0) -> None:
+                 body_timeout_s: float) -> None:
         self.app = app
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes

@@ -38,13 +38,14 @@ def generate(target: Path, stream: torch.Tensor, windows: int, prompt_len: int, 
     """[n, prompt_len + new_tokens] rows (n <= windows: fewer when the time box ends first)."""
     import torch
 
+    from serving.config import CPU_KV_CACHE_BYTES
     from serving.engine.config import EngineConfig
     from serving.engine.engine import LLMEngine
     from serving.engine.types import GenerationRequest, SamplingParams
 
     engine = LLMEngine.from_config(EngineConfig(
-        model=str(target), device="cpu", max_num_seqs=concurrency, max_num_batched_tokens=max(512, concurrency),
-        kv_cache_bytes=256 * 2**20, max_model_len=prompt_len + new_tokens,
+        model=str(target), device="cpu", max_concurrency=concurrency, max_batched_tokens=max(512, concurrency),
+        kv_cache_bytes=CPU_KV_CACHE_BYTES, max_model_len=prompt_len + new_tokens,
     ))
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(stream) - prompt_len, (windows,), generator=gen).tolist()

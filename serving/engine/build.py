@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from serving.config import CPU_KV_CACHE_BYTES
 from serving.engine.config import EngineConfig
 from serving.engine.cpu_threads import choose as choose_threads
 from serving.engine.cpu_threads import usable_cores
@@ -37,7 +38,6 @@ log = logging.getLogger(__name__)
 
 Decision = tuple[str, str, str]  # (setting, what was chosen, why)
 
-_CPU_DEFAULT_KV_BYTES = 256 * 2**20
 _CUDA_ACTIVATION_RESERVE = 0.10  # of the budget left after weights, kept for activations and the allocator
 
 
@@ -153,7 +153,7 @@ def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
     if config.kv_cache_bytes is not None:
         return config.kv_cache_bytes
     if device.type != "cuda":
-        return _CPU_DEFAULT_KV_BYTES
+        return CPU_KV_CACHE_BYTES
     free, total = torch.cuda.mem_get_info(device)
     in_use = total - free  # weights (already loaded) plus anything else on the device
     budget = config.max_memory_utilization * total - in_use

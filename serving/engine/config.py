@@ -1,19 +1,19 @@
-"""Engine configuration: the server config's model/scheduler/speculative sections, under the engine's names.
+"""Engine configuration: the server config's model/scheduler/speculative sections, under the same names.
 
-Every field shared with the server config is borrowed from its section (default, bounds, description), so
-the two cannot drift; :meth:`EngineConfig.from_server_config` is the one place the names are mapped.
-Only what the server config has no key for is declared here (tokenizer, seed, the long dtype names).
+Every field shared with the server config is borrowed from its section (default, bounds, description, and
+name: `model` is the section's `path`), so the two cannot drift; :meth:`EngineConfig.from_server_config` maps
+the sections onto it. Only what the server config has no key for is declared here (tokenizer, seed, the tensor
+parallel collective timeout).
 """
 
 from __future__ import annotations
-
-from typing import Literal
 
 from pydantic import Field, model_validator
 
 from serving.config import (
     CompileMode,
     DecodeAttentionMode,
+    Dtype,
     ModelSection,
     NumThreads,
     Quantization,
@@ -26,23 +26,20 @@ from serving.config import (
     section_field,
 )
 
-# The server's choices (`auto` included) plus the engine's long names.
-DType = Literal["fp32", "bf16", "fp16", "float32", "bfloat16", "float16", "auto"]
-
 # The engine speculates exactly as the server's `speculative` section says.
 SpeculativeConfig = SpeculativeSection
 
 
 class EngineConfig(StrictModel):
     model: str = section_field(ModelSection, "path")
-    dtype: DType = Field("auto", description=ModelSection.model_fields["dtype"].description)
+    dtype: Dtype = section_field(ModelSection, "dtype")
     device: str = section_field(ModelSection, "device")
     tokenizer: str | None = Field(None, description="Tokenizer directory; default: the model directory.")
     kv_block_size: int = section_field(SchedulerSection, "kv_block_size")
     kv_cache_bytes: int | None = section_field(ModelSection, "kv_cache_bytes")
     max_memory_utilization: float = section_field(ModelSection, "max_memory_utilization")
-    max_num_seqs: int = section_field(SchedulerSection, "max_concurrency")
-    max_num_batched_tokens: int = section_field(SchedulerSection, "max_batched_tokens")
+    max_concurrency: int = section_field(SchedulerSection, "max_concurrency")
+    max_batched_tokens: int = section_field(SchedulerSection, "max_batched_tokens")
     # Prompt + output at most; None: the checkpoint's own positions.
     max_model_len: int | None = section_field(ModelSection, "max_model_len")
     quantization: Quantization = section_field(ModelSection, "quantization")
@@ -62,7 +59,7 @@ class EngineConfig(StrictModel):
 
     @model_validator(mode="after")
     def _step_budget(self) -> EngineConfig:
-        check_step_budget(self.max_num_seqs, self.max_num_batched_tokens, ("max_num_seqs", "max_num_batched_tokens"))
+        check_step_budget(self.max_concurrency, self.max_batched_tokens, ("max_concurrency", "max_batched_tokens"))
         return self
 
     @classmethod
@@ -76,10 +73,10 @@ class EngineConfig(StrictModel):
             kv_block_size=scheduler.kv_block_size,
             kv_cache_bytes=model.kv_cache_bytes,
             max_memory_utilization=model.max_memory_utilization,
-            max_num_seqs=scheduler.max_concurrency,
-            max_num_batched_tokens=scheduler.max_batched_tokens,
-            # Only an explicit limit: the engine otherwise takes the checkpoint's own positions, and the API
-            # checks requests against min(engine limit, max_input_len + max_output_len).
+            max_concurrency=scheduler.max_concurrency,
+            max_batched_tokens=scheduler.max_batched_tokens,
+            # Only an explicit limit: the engine otherwise takes the checkpoint's own positions (its admission
+            # checks each request's context against them; the server's max_input_len / max_output_len are the API's).
             max_model_len=model.max_model_len,
             quantization=model.quantization,
             num_threads=model.num_threads,

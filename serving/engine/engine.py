@@ -47,7 +47,7 @@ class LLMEngine:
         self.device, self.dtype = runner.device, runner.dtype
         self.block_size = config.kv_block_size
         self.blocks = BlockManager(runner.cache.num_blocks, self.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, config.max_concurrency, config.max_batched_tokens)
         self._seed_source = random.Random(config.seed)
         self.steps_total = 0
         self.step_time_total_s = 0.0

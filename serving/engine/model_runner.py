@@ -71,13 +71,13 @@ class ModelRunner:
                              "(model.cpu_weight_packing); build the engine with cpu_weight_packing off to compile")
         config = self.config
         num_drafts = config.speculative.num_draft_tokens if config.speculative.enabled else 0
-        largest = min(config.max_num_seqs * (1 + num_drafts), config.max_num_batched_tokens)
+        largest = min(config.max_concurrency * (1 + num_drafts), config.max_batched_tokens)
         measure = self.device.type == "cpu" if measure is None else measure
         self.compiled = CompiledForward(self.model, buckets_up_to(largest), whole_decode=whole_decode,
-                                        max_decode_rows=config.max_num_seqs, backend=backend)
+                                        max_decode_rows=config.max_concurrency, backend=backend)
         self.compiled.warm_up(self.cache, self.builder, measure)
         if self.speculator is not None:  # the draft's steps: one token per sequence
-            self.speculator.proposer.compile_steps(config.max_num_seqs, measure, whole_decode, backend)
+            self.speculator.proposer.compile_steps(config.max_concurrency, measure, whole_decode, backend)
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes, if any (no step runs after this)."""

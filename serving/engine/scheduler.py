@@ -49,10 +49,10 @@ class SchedulerCounters:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, blocks: BlockManager, max_concurrency: int, max_batched_tokens: int) -> None:
         self.blocks = blocks
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_concurrency = max_concurrency
+        self.max_batched_tokens = max_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -68,7 +68,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
+        budget = self.max_batched_tokens
         scheduled: list[Request] = []
         num_tokens: dict[str, int] = {}
         spec: dict[str, list[int]] = {}
@@ -98,7 +98,7 @@ class Scheduler:
             i += 1
 
         # then waiting requests, first come first served, while nobody had to be preempted
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+        while self.waiting and budget > 0 and len(self.running) < self.max_concurrency and not preempted:
             req = self.waiting[0]
             # prompt logprobs need the logits of every prompt position: no prefix from the cache
             cached = 0 if req.wants_prompt_logprobs else self.blocks.match_prefix(req.request_id, req.all_token_ids)
@@ -126,7 +126,7 @@ class Scheduler:
             scheduled=scheduled,
             num_scheduled_tokens=num_tokens,
             spec_token_ids=spec,
-            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            total_num_scheduled_tokens=self.max_batched_tokens - budget,
             num_prefill_tokens=prefill,
             preempted_ids=preempted,
         )

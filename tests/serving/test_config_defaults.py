@@ -27,8 +27,8 @@ def test_engine_speculates_with_the_servers_defaults() -> None:
 def test_engine_bounds_are_the_server_configs() -> None:
     with pytest.raises(ValidationError, match="max_memory_utilization"):
         EngineConfig(model="/m", max_memory_utilization=0.99)  # the server allows at most 0.95
-    with pytest.raises(ValidationError, match="max_num_batched_tokens \\(16\\) is below max_num_seqs \\(64\\)"):
-        EngineConfig(model="/m", max_num_batched_tokens=16)
+    with pytest.raises(ValidationError, match="max_batched_tokens \\(16\\) is below max_concurrency \\(64\\)"):
+        EngineConfig(model="/m", max_batched_tokens=16)
 
 
 def test_the_rollout_wrapper_reaches_the_engine_and_the_bench_flag_spells_its_choices() -> None:

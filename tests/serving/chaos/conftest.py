@@ -24,5 +24,5 @@ def serving(workdir: Path, store: str, overrides: dict[str, dict[str, object]] |
 def chaos_server(tmp_path_factory: pytest.TempPathFactory, model_store: str) -> Iterator[ServerProcess]:  # noqa: F811
     """Short header/body timeouts and a small cap on unauthenticated connections."""
     yield from serving(tmp_path_factory.mktemp("chaos"), model_store, {"model": {"max_model_len": 1100}}, {
-        "SPECDEPLOY_HEADER_TIMEOUT_S": "1", "SPECDEPLOY_BODY_TIMEOUT_S": "1",
-        "SPECDEPLOY_MAX_UNAUTHENTICATED_CONNECTIONS": "20"})
+        "SPECDEPLOY__SERVICE__HEADER_TIMEOUT_S": "1", "SPECDEPLOY__SERVICE__BODY_TIMEOUT_S": "1",
+        "SPECDEPLOY__SERVICE__MAX_UNAUTHENTICATED_CONNECTIONS": "20"})

@@ -75,7 +75,7 @@ def kernel_mode() -> str:
 def make_engine(model_dir: Path, **overrides: object) -> LLMEngine:
     # plain nn.Linear unless a test asks for packing: `auto` measures at start-up and could go either way for a
     # tiny model; tests/serving/engine/test_cpu_linear.py runs the packed path (and once ran this whole suite so)
-    settings: dict[str, object] = {"kv_cache_bytes": 8 * 2**20, "max_num_batched_tokens": 128, "max_num_seqs": 32,
+    settings: dict[str, object] = {"kv_cache_bytes": 8 * 2**20, "max_batched_tokens": 128, "max_concurrency": 32,
                                    "cpu_weight_packing": "off"}
     # the CPU decode-attention kernel without the start-up timing (auto could go either way for a tiny model), so
     # every engine test runs the path production CPUs take; tensor-parallel engines attend gathered (the kernel is

@@ -93,7 +93,7 @@ def test_paged_flex_attention_equals_gather_and_sdpa_on_cuda(kit: Any, llama_dir
 def test_cuda_graph_steps_give_the_eager_greedy_tokens(kit: Any, llama_dir: Path, whole_decode: bool) -> None:
     from torch._dynamo.utils import counters
 
-    settings = {"device": "cuda", "dtype": "fp32", "max_num_seqs": 4, "max_num_batched_tokens": 32}
+    settings = {"device": "cuda", "dtype": "fp32", "max_concurrency": 4, "max_batched_tokens": 32}
     prompts = kit.random_prompts([3, 11, 1, 6, 20], seed=7)  # a one-token prompt: a decode-shaped prefill
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (24, 5, 9, 17, 32)]
     eager = kit.run_to_completion(kit.make_engine(llama_dir, compile="off", **settings), prompts, params)
@@ -128,7 +128,7 @@ def test_captured_decode_with_speculation_and_prefix_caching_on_cuda(kit: Any, l
     system = kit.random_prompts([40], seed=11)[0]
     prompts = [system + p for p in kit.random_prompts([5, 9, 2], seed=12)]
     params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * len(prompts)
-    settings = {"device": "cuda", "dtype": "fp32", "max_num_seqs": 4, "enable_prefix_caching": True}
+    settings = {"device": "cuda", "dtype": "fp32", "max_concurrency": 4, "enable_prefix_caching": True}
     plain = kit.run_to_completion(kit.make_engine(llama_dir, compile="off", **settings), prompts, params)
     spec = SpeculativeConfig(enabled=True, method=method, adaptive=True, num_draft_tokens=3,
                              draft_model=str(llama_dir) if method == "draft" else None)

@@ -33,7 +33,7 @@ def test_greedy_matches_transformers_generate_for_72_tokens(kit: Any, llama_dir:
                                                            packing: str) -> None:
     prompts, expected = llama_reference
     # a small token budget forces chunked prefill next to decodes
-    engine = kit.make_engine(llama_dir, max_num_batched_tokens=32, cpu_weight_packing=packing)
+    engine = kit.make_engine(llama_dir, max_batched_tokens=32, cpu_weight_packing=packing)
     assert [d.packed for d in engine.runner.weight_packing] == [packing == "on"]
     assert kit.run_to_completion(engine, prompts, [GREEDY] * len(prompts)) == expected
     assert engine.blocks.num_used == 0
@@ -156,6 +156,6 @@ def test_demo_target_greedy_matches_transformers_generate_for_64_tokens(kit: Any
     texts = ["def fibonacci(n):\n", "import os\nimport sys\n\n\nclass ", "# Copyright"]
     prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     expected = hf_greedy(path, prompts, 64)
-    engine = kit.make_engine(path, max_num_batched_tokens=64, cpu_weight_packing=packing)
+    engine = kit.make_engine(path, max_batched_tokens=64, cpu_weight_packing=packing)
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     assert kit.run_to_completion(engine, prompts, [params] * len(prompts)) == expected

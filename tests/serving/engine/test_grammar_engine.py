@@ -66,7 +66,7 @@ def demo_engine(kit: Any, spec: str) -> LLMEngine:
     from serving.demo import draft_path, target_path
 
     config = SPEC[spec]
-    extra: dict[str, Any] = {"max_num_seqs": 64, "max_num_batched_tokens": 512, "kv_cache_bytes": 64 * 2**20,
+    extra: dict[str, Any] = {"max_concurrency": 64, "max_batched_tokens": 512, "kv_cache_bytes": 64 * 2**20,
                              "max_queue": 1024}
     if config is not None:
         if config["method"] == "draft":

@@ -141,8 +141,8 @@ def test_outputs_are_identical_with_and_without_prefix_caching(kit: Any, llama_d
     # seeded sampling draws the same numbers whether the prefix was computed or reused
     params[1::3] = [SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=24, ignore_eos=True)
                     for i in range(4)]
-    off = kit.make_engine(llama_dir, enable_prefix_caching=False, max_num_batched_tokens=32)
-    on = kit.make_engine(llama_dir, max_num_batched_tokens=32)  # chunked prefill: 32 tokens a step
+    off = kit.make_engine(llama_dir, enable_prefix_caching=False, max_batched_tokens=32)
+    on = kit.make_engine(llama_dir, max_batched_tokens=32)  # chunked prefill: 32 tokens a step
     expected = run_in_waves(kit, off, prompts, params)
     assert run_in_waves(kit, on, prompts, params) == expected
 
@@ -204,7 +204,7 @@ def assert_tables_consistent(engine: LLMEngine) -> None:
 
 def test_aborted_and_preempted_requests_leave_reference_counts_right(kit: Any, llama_dir: Path) -> None:
     probe = kit.make_engine(llama_dir)
-    engine = kit.make_engine(llama_dir, kv_cache_bytes=16 * block_bytes(probe), max_num_batched_tokens=32)
+    engine = kit.make_engine(llama_dir, kv_cache_bytes=16 * block_bytes(probe), max_batched_tokens=32)
     prompts = shared_prefix_prompts(kit, 10, seed=4)
     for i, prompt in enumerate(prompts):
         engine.add_request(GenerationRequest(f"r{i}", prompt, greedy(60)))
@@ -233,7 +233,7 @@ def test_speculative_decoding_with_prefix_caching_is_identical(kit: Any, llama_d
                              draft_model=str(llama_dir) if method == "draft" else None)
     probe = kit.make_engine(llama_dir)
     engine = kit.make_engine(llama_dir, speculative=spec, kv_cache_bytes=24 * block_bytes(probe),
-                             max_num_batched_tokens=48)
+                             max_batched_tokens=48)
     assert run_in_waves(kit, engine, prompts, params) == expected
     stats = engine.stats()
     assert stats.spec.num_accepted_tokens > 0 and stats.prefix_cache_hits_total > 0

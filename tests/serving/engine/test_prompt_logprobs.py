@@ -37,7 +37,7 @@ def test_prompt_logprobs_match_the_reference_model_across_prefill_chunks(
     kit: Any, llama_dir: Path, max_tokens: int
 ) -> None:
     prompt = kit.random_prompts([45], seed=5)[0]
-    engine = kit.make_engine(llama_dir, max_num_batched_tokens=16, max_num_seqs=4)  # three prefill chunks
+    engine = kit.make_engine(llama_dir, max_batched_tokens=16, max_concurrency=4)  # three prefill chunks
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, prompt_logprobs=3, logprobs=1)
     outs = run(engine, [GenerationRequest("a", prompt, params),
                         GenerationRequest("b", kit.random_prompts([30], seed=6)[0], SamplingParams(max_tokens=4))])

@@ -129,7 +129,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(kit: Any, llama
 
 
 def test_queued_requests_survive_a_failed_step(kit: Any, llama_dir: Path) -> None:
-    engine = kit.make_engine(llama_dir, max_num_seqs=1)  # the second request waits while the first runs
+    engine = kit.make_engine(llama_dir, max_concurrency=1)  # the second request waits while the first runs
     _faulty_model(engine, {2})
 
     async def main() -> None:

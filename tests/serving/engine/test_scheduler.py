@@ -18,7 +18,7 @@ def sample_all(sched: Scheduler, token: int = 7) -> None:
 
 
 def test_prefill_is_chunked_under_the_token_budget() -> None:
-    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=10)
+    sched = Scheduler(BlockManager(64, 4), max_concurrency=8, max_batched_tokens=10)
     sched.add_request(make_request("a", 25))
     chunks, samples = [], []
     for _ in range(3):
@@ -32,7 +32,7 @@ def test_prefill_is_chunked_under_the_token_budget() -> None:
 
 
 def test_running_requests_decode_before_new_prefills_and_fcfs_holds() -> None:
-    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=12)
+    sched = Scheduler(BlockManager(64, 4), max_concurrency=8, max_batched_tokens=12)
     sched.add_request(make_request("a", 8))
     sample_all(sched)  # a prefilled, has its first token
     sched.add_request(make_request("b", 20))
@@ -43,8 +43,8 @@ def test_running_requests_decode_before_new_prefills_and_fcfs_holds() -> None:
     assert out.total_num_scheduled_tokens == 12
 
 
-def test_max_num_seqs_caps_the_running_set() -> None:
-    sched = Scheduler(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=100)
+def test_max_concurrency_caps_the_running_set() -> None:
+    sched = Scheduler(BlockManager(64, 4), max_concurrency=2, max_batched_tokens=100)
     for rid in "abc":
         sched.add_request(make_request(rid, 4))
     out = sched.schedule()
@@ -54,7 +54,7 @@ def test_max_num_seqs_caps_the_running_set() -> None:
 
 def test_out_of_blocks_preempts_the_latest_arrival_by_recompute() -> None:
     blocks = BlockManager(4, 4)
-    sched = Scheduler(blocks, max_num_seqs=8, max_num_batched_tokens=100)
+    sched = Scheduler(blocks, max_concurrency=8, max_batched_tokens=100)
     sched.add_request(make_request("a", 8, max_tokens=20))
     sched.add_request(make_request("b", 8, max_tokens=20))
     sample_all(sched)  # both prefilled: 2 blocks each, pool full
@@ -68,7 +68,7 @@ def test_out_of_blocks_preempts_the_latest_arrival_by_recompute() -> None:
 
 def test_finished_and_aborted_requests_free_their_blocks() -> None:
     blocks = BlockManager(16, 4)
-    sched = Scheduler(blocks, max_num_seqs=8, max_num_batched_tokens=100)
+    sched = Scheduler(blocks, max_concurrency=8, max_batched_tokens=100)
     sched.add_request(make_request("a", 5, max_tokens=2))
     sched.add_request(make_request("b", 5, max_tokens=50))
     sample_all(sched)
@@ -80,7 +80,7 @@ def test_finished_and_aborted_requests_free_their_blocks() -> None:
 
 def test_verify_step_keeps_accepted_drafts_and_rolls_back_the_rest() -> None:
     blocks = BlockManager(16, 4)
-    sched = Scheduler(blocks, max_num_seqs=8, max_num_batched_tokens=100)
+    sched = Scheduler(blocks, max_concurrency=8, max_batched_tokens=100)
     sched.add_request(make_request("a", 6, max_tokens=50))
     sample_all(sched)  # 7 tokens, 6 computed
     req = sched.requests["a"]

@@ -20,7 +20,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make gpu-test on a GPU host)"),
 ]
 
-SETTINGS = {"device": "cuda", "dtype": "fp32", "max_num_seqs": 4, "max_num_batched_tokens": 32, "compile": "off"}
+SETTINGS = {"device": "cuda", "dtype": "fp32", "max_concurrency": 4, "max_batched_tokens": 32, "compile": "off"}
 
 
 def _with_kernels(kit: Any, llama_dir: Path, compile_mode: str, **overrides: Any) -> Any:

@@ -36,7 +36,7 @@ def test_greedy_outputs_match_one_process_with_speculative_decoding(kit) -> None
     prompts = demo_prompts(4)
     spec = SpeculativeConfig(enabled=True, method="draft", draft_model=str(DRAFT), num_draft_tokens=3,
                              adaptive=False)
-    settings = dict(speculative=spec, max_num_batched_tokens=256, num_threads=1)
+    settings = dict(speculative=spec, max_batched_tokens=256, num_threads=1)
     single = kit.make_engine(TARGET, **settings)
     expected = greedy(kit, single, prompts)
     assert single.stats().spec.num_draft_tokens > 0  # the drafts were verified, not skipped

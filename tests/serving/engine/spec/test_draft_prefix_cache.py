@@ -61,7 +61,7 @@ def test_aborts_and_preemption_leave_the_draft_cache_clean(kit: Any, llama_dir: 
     prompts = shared_prompts(kit, 10)
     expected = run_one_by_one(kit, kit.make_engine(llama_dir), prompts[:3], max_tokens=20)
     # a budget far too small for ten requests at once: the scheduler preempts, and the draft loses them too
-    engine = draft_engine(kit, llama_dir, kv_cache_bytes=14 * block_bytes(kit, llama_dir), max_num_batched_tokens=48)
+    engine = draft_engine(kit, llama_dir, kv_cache_bytes=14 * block_bytes(kit, llama_dir), max_batched_tokens=48)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(GenerationRequest(str(i), p, params))

@@ -83,7 +83,7 @@ def sample_marginals(kit: Any, target: Path, draft: Path, params: SamplingParams
     """seeded: verification by the coupled rule; unseeded: by rejection sampling (spec/rejection.py)."""
     engine = kit.make_engine(target, speculative=SpeculativeConfig(
         enabled=True, method="draft", draft_model=str(draft), adaptive=False, num_draft_tokens=2,
-        draft_token_map=token_map), max_num_seqs=256, max_num_batched_tokens=1024, max_queue=n)
+        draft_token_map=token_map), max_concurrency=256, max_batched_tokens=1024, max_queue=n)
     grammar = compiled()
     for i in range(n):
         engine.add_request(GenerationRequest(str(i), PROMPT, dataclasses.replace(params, seed=i if seeded else None,

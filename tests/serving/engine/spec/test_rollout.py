@@ -177,7 +177,7 @@ def test_greedy_outputs_are_identical_with_a_small_draft_rolled_out_under_preemp
     probe = kit.make_engine(llama_dir)
     block = probe.runner.cache.k[:, 0].numel() * 2 * probe.runner.cache.k.element_size()
     expected = kit.run_to_completion(kit.make_engine(llama_dir), prompts, params)
-    engine = engine_with(kit, llama_dir, small_draft_dir, kv_cache_bytes=24 * block, max_num_batched_tokens=64)
+    engine = engine_with(kit, llama_dir, small_draft_dir, kv_cache_bytes=24 * block, max_batched_tokens=64)
     got = kit.run_to_completion(engine, prompts, params)
     assert [g for g, p in zip(got, params, strict=True) if p.greedy] == [
         e for e, p in zip(expected, params, strict=True) if p.greedy]

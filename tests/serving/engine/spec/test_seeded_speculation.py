@@ -60,7 +60,7 @@ def test_a_seeded_request_gives_the_same_text_alone_in_a_batch_after_a_burst_and
     prompt = kit.random_prompts([14], seed=3)[0]
     spec = SpeculativeConfig(enabled=True, method="draft", adaptive=True, num_draft_tokens=4,
                              draft_model=str(llama_dir if draft == "target" else weak_draft_dir))
-    engine = kit.make_engine(llama_dir, speculative=spec, max_num_seqs=64, max_num_batched_tokens=512,
+    engine = kit.make_engine(llama_dir, speculative=spec, max_concurrency=64, max_batched_tokens=512,
                              kv_cache_bytes=16 * 2**20)
     alone, k_alone = run(engine, prompt, [])
     beside, k_beside = run(engine, prompt, kit.random_prompts([5, 30, 17, 9, 22, 11], seed=9))

@@ -24,7 +24,7 @@ def small_draft_dir(kit: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def spec_engine(kit: Any, model_dir: Path, **spec: Any) -> LLMEngine:
-    overrides = {k: spec.pop(k) for k in ("kv_cache_bytes", "max_num_batched_tokens", "max_num_seqs", "max_queue")
+    overrides = {k: spec.pop(k) for k in ("kv_cache_bytes", "max_batched_tokens", "max_concurrency", "max_queue")
                  if k in spec}
     return kit.make_engine(model_dir, speculative=SpeculativeConfig(enabled=True, **spec), **overrides)
 
@@ -76,7 +76,7 @@ def test_greedy_output_is_identical_with_speculation_on_and_off_under_preemption
     if draft:
         spec["draft_model"] = str(llama_dir if draft == "target" else small_draft_dir)
     probe = kit.make_engine(llama_dir)
-    engine = spec_engine(kit, llama_dir, kv_cache_bytes=14 * block_bytes(probe), max_num_batched_tokens=48, **spec)
+    engine = spec_engine(kit, llama_dir, kv_cache_bytes=14 * block_bytes(probe), max_batched_tokens=48, **spec)
     assert kit.run_to_completion(engine, prompts, params, after_step=assert_block_accounting) == expected
 
     stats = engine.stats()
@@ -162,7 +162,7 @@ def sample_marginals(kit: Any, target: Path, draft: Path, params: SamplingParams
                      seeded: bool = True) -> torch.Tensor:
     """seeded: verification by the coupled rule; unseeded: by rejection sampling (spec/rejection.py)."""
     engine = spec_engine(kit, target, method="draft", draft_model=str(draft), adaptive=False, num_draft_tokens=2,
-                         max_num_seqs=256, max_num_batched_tokens=1024, max_queue=n)
+                         max_concurrency=256, max_batched_tokens=1024, max_queue=n)
     outs = kit.run_to_completion(
         engine, [PROMPT] * n,
         [dataclasses.replace(params, seed=i if seeded else None, max_tokens=3, ignore_eos=True) for i in range(n)],

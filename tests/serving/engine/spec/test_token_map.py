@@ -145,7 +145,7 @@ def test_a_mapped_draft_proposes_only_mapped_tokens_and_the_output_is_unchanged(
     prompts = kit.random_prompts([9, 30, 4, 17], seed=5)
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * len(prompts)
     expected = kit.run_to_completion(kit.make_engine(llama_dir), prompts, params)
-    engine = kit.make_engine(llama_dir, max_num_seqs=1 if rollout == "on" else 32, speculative=SpeculativeConfig(
+    engine = kit.make_engine(llama_dir, max_concurrency=1 if rollout == "on" else 32, speculative=SpeculativeConfig(
         enabled=True, method="draft", draft_model=str(mapped_draft), num_draft_tokens=4, adaptive=False,
         draft_token_map="token_map.json", draft_rollout=rollout, draft_rollout_wrapper="python"))
     proposer = engine.speculator.proposer
