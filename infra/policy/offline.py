@@ -22,8 +22,8 @@ from pulumi_policy import (
     StackValidationPolicy,
 )
 
-from infra.program.preview import RecordedResource
 from infra.policy.aws_policies import POLICIES
+from infra.program.preview import RecordedResource
 
 
 @dataclass(frozen=True)

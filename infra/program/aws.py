@@ -33,7 +33,7 @@ def deploy_aws(config: StackConfig, stack: str, region: str) -> dict[str, pulumi
     api_keys = ApiKeySecret("api-keys", ApiKeySecretArgs(name_prefix=f"specdeploy/{stack}/api-keys-",
                                                          api_keys=config.api_keys))
     lb = LoadBalancer("lb", aws_args.load_balancer(config, network))
-    missing = aws_args.bootstrap_gate(config, region, repository)
+    missing = aws_args.missing_artifacts(config, region, repository)
     fleets: dict[str, GpuFleet] = {}
     for slot in SLOTS:
         spec = config.slots.slot(slot)
@@ -55,7 +55,7 @@ def deploy_aws(config: StackConfig, stack: str, region: str) -> dict[str, pulumi
         "api_key_secret_arn": api_keys.secret_arn,
         "listener_arn": lb.listener_arn,
         "target_group_arns": lb.target_group_arns,
-        "gate_endpoints": lb.gate_endpoints,  # slot -> URL reaching that slot alone, from release gate_cidrs
+        "gate_endpoints": lb.slot_endpoints,  # slot -> its slot listener; the output keeps its name (rollout reads it)
         "asg_names": {slot: f.asg_name for slot, f in fleets.items()},
         "alarm_names": alerting.alarm_names,
         "dashboard_name": alerting.dashboard_name,

@@ -34,7 +34,7 @@ def check_slot_images(config: StackConfig, repository: str) -> None:
                              f"{repository!r}: push it there (`specdeploy image push --stack ...`)")
 
 
-def bootstrap_gate(config: StackConfig, region: str, repository: str) -> dict[str, list[str]]:
+def missing_artifacts(config: StackConfig, region: str, repository: str) -> dict[str, list[str]]:
     """slot -> what it still lacks (image digest, weight manifests); a slot lacking anything starts at zero."""
     check_slot_images(config, repository)
     missing: dict[str, list[str]] = {}
@@ -59,13 +59,13 @@ def load_balancer(config: StackConfig, net: Network) -> LoadBalancerArgs:
         server_port=config.service.port, active_slot=release.active, canary_weight=release.canary_weight,
         public=access.public, allowed_cidrs=access.allowed_cidrs, certificate_arn=access.certificate_arn,
         domain=access.domain, drain_grace_s=config.service.drain_grace_s,
-        request_timeout_s=config.scheduler.request_timeout_s, gate_cidrs=gate_cidrs(config),
+        request_timeout_s=config.scheduler.request_timeout_s, gate_cidrs=slot_listener_cidrs(config),
     )
 
 
-def gate_cidrs(config: StackConfig) -> list[str]:
-    """Sources of the per-slot gate listeners: release.gate_cidrs, else the clients of an internal load balancer;
-    a public one opens no gate path unless release.gate_cidrs names the operators' networks."""
+def slot_listener_cidrs(config: StackConfig) -> list[str]:
+    """Sources the slot listeners admit: release.gate_cidrs, else the clients of an internal load balancer;
+    a public one opens no slot listener unless release.gate_cidrs names the operators' networks."""
     if config.slots.gate_cidrs is not None:
         return list(config.slots.gate_cidrs)
     return [] if config.access.public else list(config.access.allowed_cidrs)

@@ -12,9 +12,9 @@ import pulumi
 import pytest
 
 from infra.components.aws.user_data import decode_user_data, encode_user_data
-from infra.program.preview import PreviewResult
 from infra.policy.aws_policies import POLICIES
 from infra.policy.offline import Violation, check, props_of, run_policy
+from infra.program.preview import PreviewResult
 
 StackFn = Callable[[str], PreviewResult]
 POLICY = {policy.name: policy for policy in POLICIES}

@@ -25,10 +25,11 @@ TLS_POLICY = "ELBSecurityPolicy-TLS13-1-2-2021-06"
 READY_PATH = "/ready"
 # Paths for operators and the load balancer, never for internet clients (an ALB condition takes at most 5 values).
 INTERNAL_PATHS = ("/metrics", "/metrics/*", "/health", "/ready")
-# One gate listener per slot: release gates (launch validation, /ready, /metrics) reach that slot alone
-# through the load balancer, the only source the fleet's security group admits.
-GATE_PORTS = {"blue": 8081, "green": 8082}
-GATE_DENIED = "release gate path: source not in release.gate_cidrs"
+# One slot listener per slot: the release tooling (the launch validation, /ready, the shift guard's
+# /metrics) reaches that slot alone through the load balancer, the only source the fleet's security
+# group admits. The denial text is a live listener's input: it keeps its wording.
+SLOT_LISTENER_PORTS = {"blue": 8081, "green": 8082}
+SLOT_LISTENER_DENIED = "release gate path: source not in release.gate_cidrs"
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class LoadBalancerArgs:
     drain_grace_s: float = 30.0  # the server's SIGTERM grace: deregistration waits this long
     request_timeout_s: float = 60.0  # the server's own limit: the idle timeout must outlast it
     access_log_days: int = 90
-    gate_cidrs: list[str] = field(default_factory=list)  # sources admitted to the per-slot gate listeners
+    gate_cidrs: list[str] = field(default_factory=list)  # release.gate_cidrs: sources the slot listeners admit
 
     def __post_init__(self) -> None:
         if self.active_slot not in SLOTS:
@@ -81,7 +82,7 @@ class LoadBalancer(pulumi.ComponentResource):
     log_bucket_name: pulumi.Output[str]
     target_group_arns: dict[str, pulumi.Output[str]]
     target_group_arn_suffixes: dict[str, pulumi.Output[str]]
-    gate_endpoints: dict[str, pulumi.Output[str]]  # slot -> base URL reaching that slot alone (gate_cidrs only)
+    slot_endpoints: dict[str, pulumi.Output[str]]  # slot -> its slot listener's base URL (gate_cidrs only)
 
     def __init__(self, name: str, args: LoadBalancerArgs, opts: pulumi.ResourceOptions | None = None) -> None:
         super().__init__("specdeploy:aws:LoadBalancer", name, None, opts)
@@ -92,7 +93,8 @@ class LoadBalancer(pulumi.ComponentResource):
         listener = self._listeners(name, args, alb, groups)
         if args.public:
             self._hide_internal_paths(name, listener)
-        gates = {slot: self._gate(name, slot, args, alb, groups[slot]) for slot in SLOTS} if args.gate_cidrs else {}
+        slot_listeners = {slot: self._slot_listener(name, slot, args, alb, groups[slot])
+                          for slot in SLOTS} if args.gate_cidrs else {}
         scheme = "https" if args.tls else "http"
         self.dns_name = alb.dns_name
         self.endpoint = pulumi.Output.concat(f"{scheme}://", args.domain or alb.dns_name)
@@ -102,9 +104,10 @@ class LoadBalancer(pulumi.ComponentResource):
         self.log_bucket_name = logs.bucket.bucket
         self.target_group_arns = {slot: tg.arn for slot, tg in groups.items()}
         self.target_group_arn_suffixes = {slot: tg.arn_suffix for slot, tg in groups.items()}
-        self.gate_endpoints = {slot: pulumi.Output.concat(self.endpoint, f":{GATE_PORTS[slot]}") for slot in gates}
+        self.slot_endpoints = {slot: pulumi.Output.concat(self.endpoint, f":{SLOT_LISTENER_PORTS[slot]}")
+                               for slot in slot_listeners}
         self.register_outputs({
-            "gate_endpoints": self.gate_endpoints,
+            "slot_endpoints": self.slot_endpoints,
             "endpoint": self.endpoint,
             "dns_name": self.dns_name,
             "arn_suffix": self.arn_suffix,
@@ -121,9 +124,9 @@ class LoadBalancer(pulumi.ComponentResource):
              "description": "clients" if port != 80 or not args.tls else "clients (redirect to HTTPS)"}
             for port in listen_ports]
         if args.gate_cidrs:
-            ingress += [{"protocol": "tcp", "from_port": GATE_PORTS[slot], "to_port": GATE_PORTS[slot],
-                         "cidr_blocks": list(args.gate_cidrs), "description": f"release gates to the {slot} slot"}
-                        for slot in SLOTS]
+            ingress += [{"protocol": "tcp", "from_port": port, "to_port": port, "cidr_blocks": list(args.gate_cidrs),
+                         "description": f"release gates to the {slot} slot"}  # a live rule's text: kept
+                        for slot, port in SLOT_LISTENER_PORTS.items()]
         return aws.ec2.SecurityGroup(
             f"{name}-sg",
             vpc_id=args.vpc_id,
@@ -177,17 +180,18 @@ class LoadBalancer(pulumi.ComponentResource):
             certificate_arn=args.certificate_arn, default_actions=[forward], opts=owned,
         )
 
-    def _gate(self, name: str, slot: str, args: LoadBalancerArgs, alb: aws.lb.LoadBalancer,
-              group: aws.lb.TargetGroup) -> aws.lb.Listener:
-        """The slot's gate path: a listener on GATE_PORTS[slot] forwarding to that slot's target group alone,
-        for sources in gate_cidrs (a rule; everyone else gets a fixed 403). Launch validation, /ready and the
-        metrics gate of `specdeploy rollout` go here instead of to the instances, which admit only the ALB."""
+    def _slot_listener(self, name: str, slot: str, args: LoadBalancerArgs, alb: aws.lb.LoadBalancer,
+                       group: aws.lb.TargetGroup) -> aws.lb.Listener:
+        """The slot listener: on SLOT_LISTENER_PORTS[slot], forwarding to that slot's target group alone, for
+        sources in gate_cidrs (a rule; everyone else gets a fixed 403). The launch validation, /ready and the
+        shift guard of `specdeploy rollout` go here instead of to the instances, which admit only the ALB.
+        The resources keep their `-gate-` names: a new name would replace live listeners."""
         tls = {"protocol": "HTTPS", "ssl_policy": TLS_POLICY, "certificate_arn": args.certificate_arn} \
             if args.tls else {"protocol": "HTTP"}
         listener = aws.lb.Listener(
-            f"{name}-gate-{slot}", load_balancer_arn=alb.arn, port=GATE_PORTS[slot], **tls,
+            f"{name}-gate-{slot}", load_balancer_arn=alb.arn, port=SLOT_LISTENER_PORTS[slot], **tls,
             default_actions=[{"type": "fixed-response",
-                              "fixed_response": {"content_type": "text/plain", "message_body": GATE_DENIED,
+                              "fixed_response": {"content_type": "text/plain", "message_body": SLOT_LISTENER_DENIED,
                                                  "status_code": "403"}}],
             tags=tags(f"{name}-gate-{slot}", slot=slot),
             opts=child(self),

@@ -33,9 +33,9 @@ def register(subparsers: Any) -> None:
 def _preview(args: argparse.Namespace) -> int:
     from infra.capacity import CapacityError
     from infra.config import ConfigError, load_stack
-    from infra.program.preview import record_stack, render
     from infra.policy.aws_policies import POLICIES
     from infra.policy.offline import check
+    from infra.program.preview import record_stack, render
 
     try:
         if load_stack(args.stack, args.stacks_dir).config.platform == "local":

@@ -5,7 +5,7 @@ listener whose default action forwards to the blue and green target groups by
 weight. A shift rewrites that action's weights in one ``ModifyListener`` call and
 keeps everything else in it (stickiness, the order of the groups) as it was.
 
-Gates reach one slot alone through that slot's gate listener on the same load
+The release tooling reaches one slot alone through that slot's listener on the same load
 balancer (stack output ``gate_endpoints``): the fleet's security group admits the
 server port from the load balancer only, so the instances' private addresses are
 never probed. Each slot has its own alarms (``<stack>-<slot>-<Rule>``); after every
@@ -36,14 +36,14 @@ def client(service: str, region: str | None = None) -> Any:
 
 class AlbRouter:
     def __init__(self, elbv2: Any, listener_arn: str, target_groups: Mapping[str, str],
-                 gate_endpoints: Mapping[str, str] | None = None) -> None:
+                 slot_endpoints: Mapping[str, str] | None = None) -> None:
         missing = [slot for slot in SLOTS if not target_groups.get(slot)]
         if missing:
             raise ReleaseError(f"no target group ARN for slot(s) {', '.join(missing)}")
         self.elbv2 = elbv2
         self.listener_arn = listener_arn
         self.target_groups = dict(target_groups)
-        self.gate_endpoints = {slot: url.rstrip("/") for slot, url in (gate_endpoints or {}).items() if url}
+        self.slot_endpoints = {slot: url.rstrip("/") for slot, url in (slot_endpoints or {}).items() if url}
         self.description = f"ALB listener {listener_arn}"
 
     def _forward_action(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -90,9 +90,9 @@ class AlbRouter:
         healthy = [t["Target"] for t in health if t["TargetHealth"]["State"] == "healthy"]
         counts = ", ".join(f"{n} {s}" for s, n in sorted(states.items())) or "no targets registered"
         detail = f"target group {arn.rsplit(':', 1)[-1]}: {counts}"
-        gate = self.gate_endpoints.get(slot)
-        # The slot's gate listener, never the targets' private addresses (only the ALB may reach those).
-        return SlotStatus(ready=bool(healthy), detail=detail, endpoints=[gate] if gate else [])
+        direct = self.slot_endpoints.get(slot)
+        # The slot's listener, never the targets' private addresses (only the ALB may reach those).
+        return SlotStatus(ready=bool(healthy), detail=detail, endpoints=[direct] if direct else [])
 
 
 class CloudWatchAlarms:

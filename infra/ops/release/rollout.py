@@ -1,7 +1,7 @@
 """Rollout and rollback, the same on every platform.
 
 rollout: check the new slot is deployed and ready → launch-validate it alone →
-for each step: shift, then observe the gates for the window → at 100 % make the stack
+for each step: shift, then watch the shift guard for the window → at 100 % make the stack
 file say so. Any breach moves all traffic back in one call and leaves the stack file
 on the old slot. The state is saved after every step, so a rollout killed at any
 point can be resumed (``--resume``) or rolled back.
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.config import ReleaseSpec, StackFile, other_slot
-from infra.ops.release.gates import GateWatcher
+from infra.ops.release.guard import ShiftGuard
 from infra.ops.release.model import (
     ReleaseError,
     Slot,
@@ -66,15 +66,15 @@ def rollout(
     to: str,
     steps: Sequence[int],
     observe_s: float,
-    gates: GateWatcher,
+    guard: ShiftGuard,
     validator: Validator | None,
     endpoints: Sequence[str],
     report_dir: Path,
     resume: bool = False,
 ) -> Outcome:
-    """Validate ``to`` alone, shift ``steps`` percent to it watching ``gates``; roll back on a breach."""
+    """Validate ``to`` alone, shift ``steps`` percent to it under ``guard``; roll back on a breach."""
     with release.store.exclusive():
-        return _rollout(release, to, steps, observe_s, gates, validator, endpoints, report_dir, resume)
+        return _rollout(release, to, steps, observe_s, guard, validator, endpoints, report_dir, resume)
 
 
 def rollback(release: Release, to: str | None = None, force: bool = False, record: bool = False) -> Outcome:
@@ -122,7 +122,7 @@ def _route(release: Release, weights: Weights) -> None:
         release.log.write("alarm_actions", enabled=paging)
 
 
-def _rollout(release: Release, to: str, steps: Sequence[int], observe_s: float, gates: GateWatcher,
+def _rollout(release: Release, to: str, steps: Sequence[int], observe_s: float, guard: ShiftGuard,
              validator: Validator | None, endpoints: Sequence[str], report_dir: Path, resume: bool) -> Outcome:
     target = as_slot(to)
     spec = release.stack.config.slots
@@ -163,7 +163,7 @@ def _rollout(release: Release, to: str, steps: Sequence[int], observe_s: float, 
         state.phase = "shifting"
         release.store.save(state)
 
-    problem = gates.preflight(target) if state.current_weight == 0 else None
+    problem = guard.preflight(target) if state.current_weight == 0 else None
     if problem:
         return _refuse(release, state, problem)
 
@@ -177,7 +177,7 @@ def _rollout(release: Release, to: str, steps: Sequence[int], observe_s: float, 
         release.store.save(state)
         log.write("shift", slot=target, weight=weight, weights=weights, router=release.router.description)
         say(f"shifted {weight}% to {target}; observing for {observe_s:g}s")
-        breach = gates.observe(target, weight, observe_s)
+        breach = guard.observe(target, weight, observe_s)
         if breach:
             return _roll_back_on_breach(release, state, breach)
         state.completed_weight = weight

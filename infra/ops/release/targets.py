@@ -25,7 +25,7 @@ OUT_TARGET_GROUP_ARNS = "target_group_arns"  # {"blue": arn, "green": arn}
 OUT_ALARM_NAMES = "alarm_names"  # AWS: CloudWatch alarm names
 OUT_ALERT_NAMES = "alert_names"  # Kubernetes: PrometheusRule alert names
 OUT_NAMESPACE = "namespace"
-OUT_GATE_ENDPOINTS = "gate_endpoints"  # AWS: {"blue": url, "green": url}, each slot's gate listener on the ALB
+OUT_SLOT_ENDPOINTS = "gate_endpoints"  # AWS: {"blue": url, "green": url}, each slot's listener on the ALB
 
 ENV_LISTENER_ARN = "SPECDEPLOY_LISTENER_ARN"
 ENV_TARGET_GROUP_ARN = "SPECDEPLOY_{SLOT}_TARGET_GROUP_ARN"
@@ -97,16 +97,16 @@ def target_groups(options: TargetOptions, outputs: Mapping[str, Any], env: Mappi
 
 def slot_endpoints(slot: str, options: TargetOptions, env: Mapping[str, str],
                    outputs: Mapping[str, Any] | None = None) -> list[str]:
-    """Base URLs reaching ``slot`` alone: --slot-endpoint, $SPECDEPLOY_<SLOT>_ENDPOINT, else the slot's gate
-    path from the stack outputs (AWS: its gate listener on the load balancer)."""
+    """Base URLs reaching ``slot`` alone: --slot-endpoint, $SPECDEPLOY_<SLOT>_ENDPOINT, else the slot's
+    direct path from the stack outputs (AWS: its slot listener on the load balancer)."""
     if options.slot_endpoints:
         return [e.rstrip("/") for e in options.slot_endpoints]
     raw = env.get(ENV_SLOT_ENDPOINT.format(SLOT=slot.upper()), "")
     listed = [e.strip().rstrip("/") for e in raw.split(",") if e.strip()]
     if listed:
         return listed
-    gate = ((outputs or {}).get(OUT_GATE_ENDPOINTS) or {}).get(slot)
-    return [str(gate).rstrip("/")] if gate else []
+    direct = ((outputs or {}).get(OUT_SLOT_ENDPOINTS) or {}).get(slot)
+    return [str(direct).rstrip("/")] if direct else []
 
 
 def alarm_names(options: TargetOptions, outputs: Mapping[str, Any], key: str) -> dict[str, list[str]] | None:

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
-from infra.validation import hostfacts
 from infra.runtime.process import config_path_of
+from infra.validation import hostfacts
 from serving.config import TOKEN_MAP_NAME
 
 pytestmark = pytest.mark.launch

@@ -1,6 +1,6 @@
 """Issue 13 item 1: the path `specdeploy rollout` gates on is one the rendered network rules admit.
 
-The destination comes from the CLI's own code path (``_connect`` with the stack's outputs as
+The destination comes from the CLI's own code path (``wiring.connect`` with the stack's outputs as
 `pulumi stack output` would give them); the source is an address the gates run from
 (``release.gate_cidrs``). Both are checked against the rendered security groups, listeners
 and listener rules of the same program: operator → ALB gate listener → that slot's target
@@ -21,8 +21,8 @@ import pytest
 from infra.config import load_stack
 from infra.ops.cli import release_cmd
 from infra.ops.cli.main import build_parser
+from infra.ops.release import targets, wiring
 from infra.program.preview import PreviewResult, RecordedResource
-from infra.ops.release import targets
 
 SG = "aws:ec2/securityGroup:SecurityGroup"
 LISTENER = "aws:lb/listener:Listener"
@@ -45,11 +45,9 @@ def _cli_gate(result: PreviewResult, slot: str, tmp_path: Path, monkeypatch: pyt
     (stacks / f"Pulumi.{result.stack}.yaml").write_text(result.config_text)  # type: ignore[attr-defined]
     args = build_parser().parse_args(["rollout", "--stack", result.stack, "--to", slot, "--stacks-dir", str(stacks),
                                       "--state-dir", str(tmp_path / "state")])
-    stack = release_cmd._load(args)
-    release, _, endpoints = release_cmd._connect(stack, release_cmd._options(args), args, slot=slot,
-                                                 with_alarms=False)
+    release, _, endpoints = wiring.connect(release_cmd._session(args), slot=slot, with_alarms=False)
     # What the rollout falls back to when no endpoint was given: the router's idea of the slot.
-    assert release.router.gate_endpoints.get(slot) in endpoints
+    assert release.router.slot_endpoints.get(slot) in endpoints
     return endpoints
 
 
@@ -108,9 +106,9 @@ def _with_config_text(result: PreviewResult, stacks_dir: Path | None) -> Preview
 
 def _source(result: PreviewResult) -> str:
     """An address of the operators' network: the first host of the first gate CIDR the stack renders."""
-    from infra.program.aws_args import gate_cidrs
+    from infra.program.aws_args import slot_listener_cidrs
 
-    return str(next(ipaddress.ip_network(gate_cidrs(result.config)[0]).hosts()))
+    return str(next(ipaddress.ip_network(slot_listener_cidrs(result.config)[0]).hosts()))
 
 
 @pytest.mark.parametrize("stack", ["dev", "staging", "prod"])

@@ -1,7 +1,7 @@
 """Issue 13 item 1 on Kubernetes: the rollout's gates reach the new slot by a path the rendered
 NetworkPolicy admits. With ``release.gate_cidrs`` the policy admits those networks to the server
 port, and the CLI gates on the slot's pod addresses instead of the API server's pod proxy (which the
-policy does not admit). Source: an address of the gate networks; destination: what ``_connect``
+policy does not admit). Source: an address of the gate networks; destination: what ``wiring.connect``
 returns; both checked against the NetworkPolicy and the Deployment rendered from the same stack file.
 """
 
@@ -18,8 +18,8 @@ import pytest
 from infra.ops.cli import release_cmd
 from infra.ops.cli.main import build_parser
 from infra.ops.k8s_render import render_objects
+from infra.ops.release import kubernetes, targets, wiring
 from infra.program.preview import PreviewResult
-from infra.ops.release import kubernetes, targets
 from tests.infra.conftest import write_variant
 
 GATES = ["10.20.0.0/16"]
@@ -56,8 +56,7 @@ def _gate_endpoints(stacks: Path, slot: str, namespace: str, tmp_path: Path,
         monkeypatch.delenv(name, raising=False)
     args = build_parser().parse_args(["rollout", "--stack", "k8s-prod", "--to", slot, "--stacks-dir", str(stacks),
                                       "--state-dir", str(tmp_path / "state")])
-    stack = release_cmd._load(args)
-    _, _, endpoints = release_cmd._connect(stack, release_cmd._options(args), args, slot=slot, with_alarms=False)
+    _, _, endpoints = wiring.connect(release_cmd._session(args), slot=slot, with_alarms=False)
     return endpoints
 
 

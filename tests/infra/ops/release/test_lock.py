@@ -185,12 +185,12 @@ def test_s3_audit_is_one_object_per_event_in_time_order(s3: Any, tmp_path: Path)
     log = StepLog(tmp_path / "prod.jsonl", "prod", audit, by="alice@laptop pid 1")
     for weight in (10, 50, 100):
         log.write("shift", weight=weight)
-    log.write("gate_check", ok=True)  # local only: the audit trail keeps what operators act on
+    log.write("guard_check", ok=True)  # local only: the audit trail keeps what operators act on
     keys = [o["Key"] for o in s3.list_objects_v2(Bucket=MODEL_BUCKET, Prefix="release-audit/prod/")["Contents"]]
     assert len(keys) == 3 and all(k.endswith("-shift.json") for k in keys)
     assert [r["weight"] for r in audit.read()] == [10, 50, 100]
     assert {r["by"] for r in audit.read()} == {"alice@laptop pid 1"}
-    assert [r["event"] for r in log.read()] == ["shift", "shift", "shift", "gate_check"]
+    assert [r["event"] for r in log.read()] == ["shift", "shift", "shift", "guard_check"]
 
 
 def test_unreachable_audit_does_not_stop_the_release(tmp_path: Path) -> None:

@@ -12,9 +12,9 @@ import pytest
 
 from infra.config import StackFile, load_stack
 from infra.ops.cli.main import main
-from infra.program.preview import PreviewResult, record_stack
 from infra.ops.release import validation
 from infra.ops.release.validation import ValidationOutcome
+from infra.program.preview import PreviewResult, record_stack
 from tests.infra.pulumi_up import ALARM, LISTENER, key, planned_updates
 
 from .conftest import AwsRelease, SlotServer

@@ -20,8 +20,8 @@ import pytest
 
 from infra.components.kubernetes.common import slot_object_name
 from infra.config import SLOTS
-from infra.program.preview import PreviewResult, RecordedResource, record_stack
 from infra.ops.release.kubernetes import canary_patch, route_patch
+from infra.program.preview import PreviewResult, RecordedResource, record_stack
 from tests.infra.conftest import write_variant
 from tests.infra.pulumi_up import parse_path, planned_updates
 

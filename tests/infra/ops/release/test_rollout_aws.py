@@ -14,7 +14,7 @@ import pytest
 from infra.config import StackFile, load_stack
 from infra.ops.cli.main import main
 from infra.ops.release import validation
-from infra.ops.release.gates import GateWatcher
+from infra.ops.release.guard import ShiftGuard
 from infra.ops.release.stackfile import write_release
 from infra.ops.release.validation import ValidationOutcome
 
@@ -104,7 +104,7 @@ def test_full_rollout_shifts_10_50_100_and_updates_the_stack_file(
     assert kinds[0] == "alarms" and "start" in kinds and kinds[-2:] == ["done", "lock_released"]
     assert kinds.index("lock_acquired") < kinds.index("start")  # the shared lock brackets the release
     assert kinds.count("step_ok") == 3
-    checks = [e for e in events(prod_copy) if e["event"] == "gate_check"]
+    checks = [e for e in events(prod_copy) if e["event"] == "guard_check"]
     assert checks and all(c["ok"] for c in checks)
     assert all(e["stack"] == "prod" and isinstance(e["ts"], float) for e in events(prod_copy))
 
@@ -244,14 +244,14 @@ def test_rollout_held_at_a_canary_records_the_weight(aws_release: AwsRelease, pr
 
 def interrupt_at_50(monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C while the 50 % step is being observed."""
-    original = GateWatcher.observe
+    original = ShiftGuard.observe
 
-    def observe(self: GateWatcher, slot: str, weight: int, seconds: float) -> str | None:
+    def observe(self: ShiftGuard, slot: str, weight: int, seconds: float) -> str | None:
         if weight == 50:
             raise KeyboardInterrupt
         return original(self, slot, weight, seconds)
 
-    monkeypatch.setattr(GateWatcher, "observe", observe)
+    monkeypatch.setattr(ShiftGuard, "observe", observe)
 
 
 def test_arns_and_alarm_names_come_from_the_stack_outputs(

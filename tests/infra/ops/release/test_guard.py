@@ -1,4 +1,4 @@
-"""Gates: counter deltas, P99 from histogram buckets, alarm and metric breaches."""
+"""The shift guard: counter deltas, P99 from histogram buckets, alarm and metric breaches."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.ops.release.gates import GateThresholds, GateWatcher, MetricsSnapshot, SlotMetrics, parse_snapshot
+from infra.ops.release.guard import MetricsSnapshot, ShiftGuard, ShiftLimits, SlotMetrics, parse_snapshot
 from infra.ops.release.state import StepLog
 from infra.ops.release.traffic import FiringAlarm
 from serving import metric_names as m
@@ -75,10 +75,10 @@ def page(ok: int, errors: int, slow: int = 0) -> str:
             f'{m.E2E}_bucket{{le="+Inf"}} {total}\n')
 
 
-def watcher(tmp_path: Path, alarms: Alarms | None, fetch: Pages | None) -> GateWatcher:
+def watcher(tmp_path: Path, alarms: Alarms | None, fetch: Pages | None) -> ShiftGuard:
     clock = iter(range(1000))
     metrics = SlotMetrics(["http://10.0.1.23:8000"], fetch) if fetch else None
-    return GateWatcher(alarms, metrics, GateThresholds(error_rate=0.01, p99_latency_s=30, min_requests=20),
+    return ShiftGuard(alarms, metrics, ShiftLimits(error_rate=0.01, p99_latency_s=30, min_requests=20),
                        StepLog(tmp_path / "log.jsonl", "prod"), poll_s=1, clock=lambda: float(next(clock)),
                        sleep=lambda s: None)
 
@@ -148,7 +148,7 @@ def test_reads_the_real_servers_exposition() -> None:
 
 def test_progress_lines_while_watching(tmp_path: Path) -> None:
     lines: list[str] = []
-    gate = watcher(tmp_path, None, Pages(page(0, 0), page(100, 1)))
-    gate._say, gate._say_every_s = lines.append, 1.0
-    assert gate.observe("green", 10, 5) is None
-    assert lines and lines[0].startswith("  green 10%: gates ok (101 requests, 0.99% errors, P99 ")
+    guard = watcher(tmp_path, None, Pages(page(0, 0), page(100, 1)))
+    guard._say, guard._say_every_s = lines.append, 1.0
+    assert guard.observe("green", 10, 5) is None
+    assert lines and lines[0].startswith("  green 10%: checks ok (101 requests, 0.99% errors, P99 ")

@@ -1,11 +1,11 @@
-"""Gates watched while traffic moves: the stack's alarms, and the new slot's own metrics.
+"""The shift guard: what `specdeploy rollout` watches while traffic moves, and why it rolls back.
 
-Alarms take minutes to fire (they average over ``alerting.evaluation_minutes``), so
-the watcher also reads the new slot's ``/metrics`` directly and judges the requests
-it served during this observe window alone (counter deltas): the share of 5xx
-answers against ``alerting.error_rate_critical`` and the P99 end-to-end latency
-against ``alerting.p99_latency_s`` — the same signals and thresholds as the
-``SpecdeployHighErrorRate`` and ``SpecdeployHighP99Latency`` alarms.
+Two checks: the stack's alarms, and the new slot's own metrics. Alarms take minutes to fire
+(they average over ``alerting.evaluation_minutes``), so the guard also reads the new slot's
+``/metrics`` directly and judges the requests it served during this observe window alone
+(counter deltas): the share of 5xx answers against ``alerting.error_rate_critical`` and the
+P99 end-to-end latency against ``alerting.p99_latency_s`` — the same signals and thresholds as
+the ``SpecdeployHighErrorRate`` and ``SpecdeployHighP99Latency`` alarms.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ Fetch = Callable[[str], str]  # URL -> response body
 
 
 @dataclass(frozen=True)
-class GateThresholds:
+class ShiftLimits:
     error_rate: float  # 5xx share of the slot's requests in the window
     p99_latency_s: float  # P99 end-to-end latency in the window
     min_requests: int = 20  # below this many requests in a window, the metrics cannot judge
 
     @classmethod
-    def from_stack(cls, config: StackConfig, min_requests: int = 20) -> GateThresholds:
+    def from_stack(cls, config: StackConfig, min_requests: int = 20) -> ShiftLimits:
         return cls(config.alerting.error_rate_critical, config.alerting.p99_latency_s, min_requests)
 
 
@@ -137,14 +137,14 @@ class SlotMetrics:
         return total
 
 
-class GateWatcher:
+class ShiftGuard:
     """Watches alarms and the new slot's metrics for one observe window; returns the first breach."""
 
     def __init__(
         self,
         alarms: AlarmSource | None,
         metrics: SlotMetrics | None,
-        thresholds: GateThresholds,
+        limits: ShiftLimits,
         log: StepLog,
         poll_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
@@ -154,7 +154,7 @@ class GateWatcher:
     ) -> None:
         self.alarms = alarms
         self.metrics = metrics
-        self.thresholds = thresholds
+        self.limits = limits
         self.log = log
         self.poll_s = poll_s
         self._clock = clock
@@ -173,7 +173,7 @@ class GateWatcher:
         return reason
 
     def observe(self, slot: str, weight: int, seconds: float) -> str | None:
-        """Watch for ``seconds``; the breach reason, or None when every gate held."""
+        """Watch for ``seconds``; the breach reason, or None when every check held."""
         baseline, reason = self._snapshot(slot)
         if reason:
             return reason
@@ -188,13 +188,13 @@ class GateWatcher:
                     window = now.since(baseline)
                     reason = self._judge(slot, window)
             remaining = deadline - self._clock()
-            self.log.write("gate_check", slot=slot, weight=weight, ok=reason is None, reason=reason,
+            self.log.write("guard_check", slot=slot, weight=weight, ok=reason is None, reason=reason,
                            **self._window_fields(window), remaining_s=round(max(remaining, 0.0), 1))
             if reason is not None or remaining <= 0:
                 return reason
             if self._say is not None and self._clock() - last_said >= self._say_every_s:
                 last_said = self._clock()
-                self._say(f"  {slot} {weight}%: gates ok{self._describe(window)}, {remaining:.0f}s left")
+                self._say(f"  {slot} {weight}%: checks ok{self._describe(window)}, {remaining:.0f}s left")
             self._sleep(min(self.poll_s, remaining))
 
     def _check_alarms(self) -> str | None:
@@ -215,7 +215,7 @@ class GateWatcher:
             return None, f"cannot read {slot}'s /metrics: {exc}"
 
     def _judge(self, slot: str, window: MetricsSnapshot) -> str | None:
-        t = self.thresholds
+        t = self.limits
         if window.requests >= t.min_requests and window.error_rate > t.error_rate:
             return (f"{slot} error rate {window.error_rate:.2%} over {window.requests:.0f} requests "
                     f"exceeds {t.error_rate:.2%} (alerting.error_rate_critical)")
