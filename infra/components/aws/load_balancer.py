@@ -20,6 +20,7 @@ import pulumi_aws as aws
 
 from infra.components.aws.common import SecureBucket, child, secure_bucket, tags
 from infra.config import SLOTS, other_slot
+from serving.config import SchedulerSection, ServiceSection
 
 TLS_POLICY = "ELBSecurityPolicy-TLS13-1-2-2021-06"
 READY_PATH = "/ready"
@@ -43,8 +44,10 @@ class LoadBalancerArgs:
     allowed_cidrs: list[str] = field(default_factory=lambda: ["10.0.0.0/8"])
     certificate_arn: str | None = None
     domain: str | None = None
-    drain_grace_s: float = 30.0  # the server's SIGTERM grace: deregistration waits this long
-    request_timeout_s: float = 60.0  # the server's own limit: the idle timeout must outlast it
+    # the server's SIGTERM grace: deregistration waits this long
+    drain_grace_s: float = ServiceSection.model_fields["drain_grace_s"].default
+    # the server's own limit: the idle timeout must outlast it
+    request_timeout_s: float = SchedulerSection.model_fields["request_timeout_s"].default
     access_log_days: int = 90
     gate_cidrs: list[str] = field(default_factory=list)  # release.gate_cidrs: sources the slot listeners admit
 
