@@ -511,3 +511,266 @@ def test_the_engine_checker_catches(path: str, source: str, rule: str) -> None:
 ])
 def test_the_engine_checker_allows(path: str, source: str) -> None:
     assert engine_rules_broken(path, source) == []
+
+
+# ---- One request path: admit → run → respond, one way ---------------------------------------------------------
+
+# The steps in order: a step imports the step before it and no other (a walk through them visits no file twice);
+# the endpoints' renderers belong to respond and are reached from it alone; a route calls the steps, no other route.
+REQUEST_PATH = ("serving.api.admit", "serving.api.run", "serving.api.respond")
+RENDERERS = "serving.api.render"
+ROUTES = "serving.api.routes"
+
+
+def _step(module: str) -> int | None:
+    if _within(module, (RENDERERS,)):
+        return REQUEST_PATH.index("serving.api.respond")
+    return REQUEST_PATH.index(module) if module in REQUEST_PATH else None
+
+
+def request_path_breaks(path: str, imp: Import) -> str | None:
+    """The request path's rule one import of the module at ``path`` breaks (module and function level)."""
+    module = _module_name(REPO / path, REPO)
+    step, target = _step(module), _step(imp.module) if imp.module != RENDERERS else None
+    if step is not None and target is not None and target != step and target != step - 1:
+        return f"{module} imports {imp.module}: a step of admit → run → respond imports only the step before it"
+    if _within(imp.module, (RENDERERS,)) and imp.module != RENDERERS and step != len(REQUEST_PATH) - 1:
+        return f"{module} imports {imp.module}: an endpoint's renderer is reached from serving/api/respond.py alone"
+    if _within(module, (ROUTES,)) and _within(imp.module, (ROUTES,)) and imp.module not in (ROUTES, module):
+        return f"{module} imports {imp.module}: a route calls admit → run → respond, never another route"
+    return None
+
+
+def test_the_request_path_runs_one_way() -> None:
+    assert all(any(m.path == name.replace(".", "/") + ".py" for m in MODULES) for name in REQUEST_PATH)
+    broken = [f"{m.path}:{imp.line}: {rule}" for m in MODULES if m.path.startswith("serving/api/")
+              for imp in m.imports if (rule := request_path_breaks(m.path, imp)) is not None]
+    assert not broken, "\n".join(broken)
+
+
+@pytest.mark.parametrize(("path", "imported"), [
+    ("serving/api/admit.py", "serving.api.run"),
+    ("serving/api/admit.py", "serving.api.respond"),
+    ("serving/api/run.py", "serving.api.respond"),
+    ("serving/api/respond.py", "serving.api.admit"),
+    ("serving/api/run.py", "serving.api.render.chat"),
+    ("serving/api/render/chat.py", "serving.api.admit"),
+    ("serving/api/routes/chat.py", "serving.api.render.chat"),
+    ("serving/api/routes/responses.py", "serving.api.routes.chat"),
+])
+def test_the_request_path_checker_catches(path: str, imported: str) -> None:
+    assert request_path_breaks(path, Import(imported, 1, False)) is not None
+
+
+@pytest.mark.parametrize(("path", "imported"), [
+    ("serving/api/run.py", "serving.api.admit"),
+    ("serving/api/respond.py", "serving.api.run"),
+    ("serving/api/respond.py", "serving.api.render.chat"),
+    ("serving/api/render/chat.py", "serving.api.render.tool_calls"),
+    ("serving/api/render/responses.py", "serving.api.run"),
+    ("serving/api/routes/chat.py", "serving.api.respond"),
+    ("serving/main.py", "serving.api.routes.chat"),
+])
+def test_the_request_path_checker_allows(path: str, imported: str) -> None:
+    assert request_path_breaks(path, Import(imported, 1, True)) is None
+
+
+# ---- One definition per limit ----------------------------------------------------------------------------------
+# Every limit of the server config (a numeric field of its sections) and every sampling bound (serving/engine/
+# types.py) is given its value in one place; everything else borrows it (section_field, the section's default,
+# the constant's name). Walked with `ast` over infra/ and serving/: a class field, a function parameter's default
+# or an assignment that gives one of those names a number, and a number too large to be a coincidence (>= 2**24:
+# the CPU KV budget, the seed range) written out again, are definitions.
+
+SAMPLING_BOUNDS_HOME = "serving/engine/types.py"
+DISTINCT = 2**24
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "logprobs",
+                   "top_logprobs")
+
+
+def server_limits() -> dict[str, float]:
+    """Each numeric field of the server config's sections, by name, with its default."""
+    from serving.config import ServerConfig
+
+    limits: dict[str, float] = {}
+    for section in ServerConfig.model_fields.values():
+        model = section.annotation
+        assert isinstance(model, type)
+        for name, field in model.model_fields.items():  # type: ignore[attr-defined]
+            if isinstance(field.default, int | float) and not isinstance(field.default, bool):
+                limits[name] = field.default
+    return limits
+
+
+def number(node: ast.AST | None) -> float | None:
+    """The value of a numeric literal expression (2**20, -(2**63), 256 * 2**20), else None."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        value = number(node.operand)
+        return None if value is None else -value
+    if isinstance(node, ast.BinOp):
+        left, right = number(node.left), number(node.right)
+        ops = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+               ast.Pow: lambda a, b: a**b, ast.LShift: lambda a, b: int(a) << int(b)}
+        op = ops.get(type(node.op))
+        return None if left is None or right is None or op is None else op(left, right)
+    return None
+
+
+def named_numbers(tree: ast.AST) -> Iterator[tuple[str, float, int]]:
+    """(name, value, line) of every name given a number: assignments, class fields (pydantic's Field(default, ...)
+    too) and parameter defaults."""
+    for node in ast.walk(tree):
+        pairs: list[tuple[str, ast.expr | None]] = []
+        if isinstance(node, ast.Assign):
+            pairs = [(t.id if isinstance(t, ast.Name) else t.attr, node.value) for t in node.targets
+                     if isinstance(t, ast.Name | ast.Attribute)]
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            pairs = [(node.target.id, node.value)]
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            args = node.args.posonlyargs + node.args.args
+            pairs = [(a.arg, d) for a, d in zip(args[len(args) - len(node.args.defaults):], node.args.defaults,
+                                                 strict=True)]
+            pairs += [(a.arg, d) for a, d in zip(node.args.kwonlyargs, node.args.kw_defaults, strict=True)]
+        for name, value in pairs:
+            if isinstance(value, ast.Call) and _dotted(value.func).rpartition(".")[2] == "Field":
+                value = value.args[0] if value.args else None
+            found = number(value)
+            if found is not None:
+                yield name, found, getattr(node, "lineno", 0)
+
+
+def distinct_numbers(tree: ast.AST) -> Iterator[tuple[float, int]]:
+    """(value, line) of every outermost numeric literal expression of at least DISTINCT."""
+    def visit(node: ast.AST) -> Iterator[tuple[float, int]]:
+        value = number(node) if isinstance(node, ast.Constant | ast.UnaryOp | ast.BinOp) else None
+        if value is not None:
+            if abs(value) >= DISTINCT:
+                yield value, getattr(node, "lineno", 0)
+            return
+        for child in ast.iter_child_nodes(node):
+            yield from visit(child)
+
+    yield from visit(tree)
+
+
+def limit_definitions(sources: dict[str, str], limits: dict[str, float], bounds: dict[str, float]
+                      ) -> list[str]:
+    """Each limit or bound given its value in more than one module, as 'what: path:line, path:line'."""
+    places: dict[str, list[str]] = {}
+    values = {v for v in [*limits.values(), *bounds.values()] if abs(v) >= DISTINCT}
+    for path, source in sources.items():
+        tree = ast.parse(source)
+        for name, value, line in named_numbers(tree):
+            # 0 starts a counter (SpecStats.num_draft_tokens), it bounds nothing
+            if (name in limits or name in bounds) and value != 0:
+                places.setdefault(name, []).append(f"{path}:{line}")
+        for value, line in distinct_numbers(tree):
+            if value in values:
+                places.setdefault(f"the number {value:g}", []).append(f"{path}:{line}")
+    return [f"{what} is defined in {', '.join(where)}" for what, where in places.items()
+            if len({w.partition(':')[0] for w in where}) > 1]
+
+
+def sampling_bounds(source: str) -> dict[str, float]:
+    """The module-level bounds of serving/engine/types.py, each of a range's ends by the range's name."""
+    bounds: dict[str, float] = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            name, value = node.targets[0].id, node.value
+            if isinstance(value, ast.Tuple) and all(number(e) is not None for e in value.elts):
+                bounds.update({f"{name}[{i}]": number(e) for i, e in enumerate(value.elts)})  # type: ignore[misc]
+            elif number(value) is not None:
+                bounds[name] = number(value)  # type: ignore[assignment]
+    return bounds
+
+
+def _sources() -> dict[str, str]:
+    return {p.relative_to(REPO).as_posix(): p.read_text(encoding="utf-8")
+            for package in PACKAGES for p in sorted((REPO / package).rglob("*.py"))}
+
+
+def test_every_limit_and_sampling_bound_is_defined_once() -> None:
+    sources = _sources()
+    bounds = sampling_bounds(sources[SAMPLING_BOUNDS_HOME])
+    assert {"MAX_LOGPROBS", "SEED_RANGE[1]", "TEMPERATURE_RANGE[1]", "PENALTY_RANGE[0]"} <= set(bounds)
+    names = {name.partition("[")[0] for name in bounds}
+    limits = server_limits()
+    assert {"max_concurrency", "max_batched_tokens", "header_timeout_s", "max_unauthenticated_connections"} <= set(
+        limits)
+    assert not (found := limit_definitions(sources, limits, bounds | dict.fromkeys(names, 1.0))), "\n".join(found)
+
+
+def test_the_sampling_schemas_and_validate_take_the_bounds_by_name() -> None:
+    """No sampling field's bound is a literal in the request schemas, nor in SamplingParams.validate (0 aside)."""
+    broken = []
+    schemas = ast.parse((REPO / "serving/api/schemas.py").read_text(encoding="utf-8"))
+    for node in ast.walk(schemas):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id in SAMPLING_FIELDS \
+                and isinstance(node.value, ast.Call):
+            broken += [f"schemas.py:{node.lineno}: {node.target.id} {k.arg}={ast.unparse(k.value)}"
+                       for k in node.value.keywords if k.arg in ("ge", "gt", "le", "lt") and number(k.value) not in
+                       (None, 0)]
+    types = ast.parse((REPO / SAMPLING_BOUNDS_HOME).read_text(encoding="utf-8"))
+    validate = next(n for n in ast.walk(types) if isinstance(n, ast.FunctionDef) and n.name == "validate")
+    indices = {id(n.slice) for n in ast.walk(validate) if isinstance(n, ast.Subscript)}  # RANGE[1] is no bound
+    broken += [f"types.py:{n.lineno}: SamplingParams.validate bounds with the literal {ast.unparse(n)}"
+               for n in ast.walk(validate) if isinstance(n, ast.Constant) and number(n) not in (None, 0)
+               and id(n) not in indices]
+    assert not broken, "\n".join(broken)
+
+
+def test_the_engine_config_takes_the_server_configs_names() -> None:
+    """A field EngineConfig borrows from a server config section keeps its name (the model directory aside:
+    the engine's `model` is the model section's `path`)."""
+    tree = ast.parse((REPO / "serving/engine/config.py").read_text(encoding="utf-8"))
+    renamed = [f"{node.target.id} borrows {ast.unparse(node.value)}" for node in ast.walk(tree)
+               if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+               and isinstance(node.value, ast.Call) and _dotted(node.value.func) == "section_field"
+               and node.value.args[1].value != node.target.id  # type: ignore[attr-defined]
+               and (node.target.id, node.value.args[1].value) != ("model", "path")]  # type: ignore[attr-defined]
+    assert not renamed, renamed
+
+
+def test_the_dtype_choices_are_written_once() -> None:
+    """The precisions (fp32, fp16, bf16) are listed as choices in serving/config.py alone; the rest borrow them."""
+    found = set()
+    for path, source in _sources().items():
+        for node in ast.walk(ast.parse(source)):
+            items = node.elts if isinstance(node, ast.Tuple | ast.List) else None
+            if isinstance(node, ast.Subscript) and _dotted(node.value).endswith("Literal"):
+                items = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+            strings = {i.value for i in items or [] if isinstance(i, ast.Constant) and isinstance(i.value, str)}
+            if {"fp32", "bf16"} <= strings:
+                found.add(f"{path}:{getattr(node, 'lineno', 0)}")
+    assert len(found) == 1 and found.pop().startswith("serving/config.py:"), found
+
+
+@pytest.mark.parametrize(("source", "what"), [
+    ("class Limits:\n    body_timeout_s: float = 30.0\n", "body_timeout_s"),
+    ("def serve(max_concurrency=64):\n    pass\n", "max_concurrency"),
+    ("class Local(BaseModel):\n    max_queue: int = Field(32, ge=0)\n", "max_queue"),
+    ("MAX_LOGPROBS = 20\n", "MAX_LOGPROBS"),
+    ("engine = EngineConfig(kv_cache_bytes=256 * 2**20)\n", "the number 2.68435e+08"),
+])
+def test_the_limit_walk_catches_a_second_definition(source: str, what: str) -> None:
+    sources = {"serving/config.py": "class Scheduler:\n    max_concurrency: int = Field(64)\n"
+                                    "    max_queue: int = Field(128)\n    body_timeout_s: float = 30.0\n"
+                                    "KV = 256 * 2**20\n",
+               "serving/engine/types.py": "MAX_LOGPROBS = 20\n", "infra/x.py": source}
+    limits = {"max_concurrency": 64, "max_queue": 128, "body_timeout_s": 30.0, "kv_cache_bytes": 256 * 2**20}
+    found = limit_definitions(sources, limits, {"MAX_LOGPROBS": 20})
+    assert any(f.startswith(f"{what} is defined in") and "infra/x.py:" in f for f in found), found
+
+
+@pytest.mark.parametrize("source", [
+    "class Spec:\n    max_queue: int = section_field(SchedulerSection, 'max_queue')\n",
+    "engine = EngineConfig(max_concurrency=8, kv_cache_bytes=CPU_KV_CACHE_BYTES)\n",
+    "class Stats:\n    max_queue: int = 0\n",
+    "chunk = 1 << 20\n",
+])
+def test_the_limit_walk_lets_a_borrowed_value_pass(source: str) -> None:
+    sources = {"serving/config.py": "class Scheduler:\n    max_queue: int = Field(128)\nKV = 256 * 2**20\n",
+               "infra/x.py": source}
+    assert limit_definitions(sources, {"max_queue": 128, "max_concurrency": 64}, {}) == []

@@ -9,9 +9,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from infra.ops.cli.main import CommandError
+from serving.config import Dtype
 
 # model.cpu_weight_packing of every engine a bench builds (serving.engine.kernels.cpu_linear)
 _PACKING_ARG: dict[str, Any] = {
@@ -75,7 +76,7 @@ def register(subparsers: Any) -> None:
                              "CPU, each bucket kept only where it beat eager at warm-up; the report lists them)")
     engine.add_argument("--cpu-weight-packing", **_PACKING_ARG)
     engine.add_argument("--cpu-decode-attention", **_ATTENTION_ARG)
-    engine.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
+    engine.add_argument("--dtype", choices=get_args(Dtype), default="auto",
                         help="weight and activation precision of the engine and the baselines (auto: fp32 on CPU)")
     engine.add_argument("--quantization", choices=("int8", "fp8"),
                         help="instead: the quantized engine beside the unquantized one (held-out perplexity, "
@@ -123,7 +124,7 @@ def register(subparsers: Any) -> None:
                            "compiled on CPU too, each bucket kept only where it beat eager at warm-up)")
     spec.add_argument("--no-adaptive", action="store_true",
                       help="draft k tokens at every speculating step instead of letting the policy choose 0..k")
-    spec.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
+    spec.add_argument("--dtype", choices=get_args(Dtype), default="auto",
                       help="precision of every engine and baseline measured (auto: fp32 on CPU)")
     spec.set_defaults(func=_bench_spec)
 
