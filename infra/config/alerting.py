@@ -32,7 +32,7 @@ class AlertingSpec(StrictModel):
 
 
 class SloSpec(StrictModel):
-    """Targets the launch validation gates on (the guide: compare every figure with a target)."""
+    """Targets the launch verdict judges against (the guide: compare every figure with a target)."""
 
     ttft_p99_ms: float = Field(2000, gt=0, description="P99 time to first token.")
     tpot_p99_ms: float = Field(200, gt=0, description="P99 time per output token after the first.")

@@ -58,10 +58,11 @@ class ReleaseSpec(StrictModel):
     green: SlotSpec | None = Field(None, description="The green slot (absent until a release).")
     gate_cidrs: list[str] | None = Field(
         None, max_length=4,
-        description="Where release gates run from. aws: each slot's gate listener on the load balancer admits "
+        description="Where the release tooling (the launch validation and the shift guard of `specdeploy "
+                    "rollout`) reaches each slot alone from. aws: each slot's listener on the load balancer admits "
                     "these (default access.allowed_cidrs on an internal load balancer, none on a public one); "
                     "kubernetes: a NetworkPolicy rule admits them to the server port of the pods, whose "
-                    "addresses the gates then use (pod IPs routable from there, e.g. the EKS VPC CNI).",
+                    "addresses the tooling then uses (pod IPs routable from there, e.g. the EKS VPC CNI).",
     )
 
     @field_validator("gate_cidrs")
@@ -75,7 +76,7 @@ class ReleaseSpec(StrictModel):
             except ValueError as exc:
                 raise ValueError(f"release.gate_cidrs: {cidr!r} is not a CIDR block ({exc})") from None
             if ipaddress.ip_network(cidr).prefixlen == 0:
-                raise ValueError(f"release.gate_cidrs: {cidr} opens the slots' gate paths to the world; "
+                raise ValueError(f"release.gate_cidrs: {cidr} opens each slot's direct path to the world; "
                                  "list the networks operators and pipelines run from")
         return value
 

@@ -1,6 +1,6 @@
 """How long and how hard each validation profile pushes a deployment.
 
-- quick: minutes; the CI gate and `make demo` (a 2-core CPU with the demo model must finish it in
+- quick: minutes; CI's launch verdict and `make demo` (a 2-core CPU with the demo model must finish it in
   about three minutes). Too short to prove stability; it proves the machinery and catches gross faults.
 - standard: the guide's launch bar: a concurrency sweep and >= 15 minutes of sustained load
   (guide-planning-launch-operations, 八.2), an A/B over all four prompt sets with six repeats.

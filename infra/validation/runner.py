@@ -1,4 +1,4 @@
-"""``run_validation``: run the launch suite (infra/validation/launch) against one endpoint and return the gate.
+"""``run_validation``: run the launch suite (infra/validation/launch) against one endpoint and return the verdict.
 
 The suite runs in its own pytest process, so a caller (``specdeploy validate``, ``specdeploy
 rollout``, the CI test) gets a clean interpreter for it and can run it more than once.
@@ -31,7 +31,7 @@ _TIMEOUT_MARGIN_S = 900
 
 @dataclass(frozen=True)
 class ValidationResult:
-    passed: bool  # the gate: every check that ran passed
+    passed: bool  # the launch verdict: every check that ran passed
     exit_code: int  # pytest's: 0 pass, 1 checks failed, 2+ the suite itself could not run
     report_dir: Path
     summary: dict[str, Any] = field(default_factory=dict)  # report.json, empty when none was written
@@ -114,7 +114,7 @@ def run_validation(endpoint: str | None, stack: str, profile: str = "quick", rep
 
     ``hosts``: testinfra backends of the serving hosts (``ssh://user@10.0.1.5``, ``local://``,
     ``kubectl://pod?namespace=ns``); the host checks run on each. ``api_key`` defaults to
-    $SPECDEPLOY_API_KEY, then (local stacks) to the key `specdeploy up` generated. Returns the gate
+    $SPECDEPLOY_API_KEY, then (local stacks) to the key `specdeploy up` generated. Returns the verdict
     and where the report is.
     """
     get_profile(profile)  # fail fast on a typo, before a subprocess starts

@@ -6,7 +6,7 @@ release commands make, on this stack's resources only:
 
 - the ALB listener: read it, and change its default action (the traffic split);
 - the target groups' health (ELBv2 `Describe*` actions take no resource ARN: `*`, read-only);
-- the stack's CloudWatch alarms: read their state (the rollout gate) and switch their actions (paging follows
+- the stack's CloudWatch alarms: read their state (the shift guard) and switch their actions (paging follows
   traffic);
 - the release lock object `release-lock/<stack>.json` (conditional writes: Get, Put and Delete) and new
   objects of the audit trail `release-audit/<stack>/` in the model bucket; `s3:ListBucket` on the bucket (key

@@ -1,4 +1,4 @@
-"""Bootstrap gate: does what a release slot runs exist yet (image digest in ECR, manifest.json in S3)?
+"""Missing artifacts: does what a release slot runs exist yet (image digest in ECR, manifest.json in S3)?
 
 The first `pulumi up` in an empty account creates the repository and the model bucket
 itself, so nothing can have been pushed yet. Instances started then would fail
@@ -8,7 +8,7 @@ actions off) until both artifacts exist; the next `pulumi up` after
 `specdeploy image push` and `specdeploy weights push` brings the fleet up.
 
 Uses boto3 with the same credentials and region as the Pulumi AWS provider. Under
-Pulumi's mocks (offline preview, tests) there is no account to ask: the gate reports
+Pulumi's mocks (offline preview, tests) there is no account to ask: the check reports
 nothing missing, so previews show the full fleet.
 """
 
@@ -84,7 +84,7 @@ def under_mocks() -> bool:
 
 
 def live_missing_artifacts(region: str, image: str, weight_uris: list[str]) -> list[str]:
-    """The gate as the program runs it: boto3 against the stack's account, nothing under mocks."""
+    """The check as the program runs it: boto3 against the stack's account, nothing under mocks."""
     if under_mocks():
         return []
     import boto3

@@ -5,8 +5,8 @@ identities to it: an EKS access entry's `kubernetesGroups`, or your OIDC group c
 the namespace; nothing cluster-wide is granted. The rules are exactly the calls the release commands make:
 
 - read and patch the routing: the ingress-nginx Ingresses or the HTTPRoute (list, patch);
-- read the slots' Deployments (readiness) and list their pods (gate endpoints), and read the pods' /metrics
-  through the API server's proxy (the metrics gate without a port-forward);
+- read the slots' Deployments (readiness) and list their pods (each slot's direct path), and read the pods' /metrics
+  through the API server's proxy (the shift guard's metrics without a port-forward);
 - the PrometheusRule `specdeploy-traffic` (patch, that object only): the live split the alerts follow;
 - the release lock (a Lease: get, create, update to renew or take over an expired one, delete) and the
   audit ConfigMap (get, create, update).

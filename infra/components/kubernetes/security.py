@@ -2,7 +2,7 @@
 
 The NetworkPolicy admits traffic to the server port only from the ingress
 controller's namespace, from Prometheus' namespace and, when ``release.gate_cidrs``
-is set, from those networks (the release gates reach each slot's pods directly: the
+is set, from those networks (the release tooling reaches each slot's pods directly, its slot path: the
 API server's pod proxy is not admitted); everything else in the cluster is refused.
 Egress stays open: the weight pull needs the object store, whose address (S3,
 MinIO, a VPC endpoint) a policy cannot know in advance.

@@ -1,4 +1,4 @@
-"""`specdeploy rollout`, `rollback` and `unlock`: blue/green traffic with gates, the way back, the lock.
+"""`specdeploy rollout`, `rollback` and `unlock`: blue/green traffic under a shift guard, the way back, the lock.
 
 This module parses options, calls one function of ``infra.ops.release.wiring`` (which connects
 the release machinery to the stack's platform) and prints what the operator must do next. boto3

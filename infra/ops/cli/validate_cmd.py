@@ -1,4 +1,4 @@
-"""`specdeploy validate` (launch validation, exit code = gate) and `specdeploy loadgen` (one load phase)."""
+"""`specdeploy validate` (launch validation, exit code = verdict) and `specdeploy loadgen` (one load phase)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ PROFILES = ("quick", "standard", "soak")
 def register(subparsers: Any) -> None:
     validate = subparsers.add_parser(
         "validate",
-        help="run the launch checks against a deployment and write the report (exit code = gate)",
+        help="run the launch checks against a deployment and write the report (exit code = verdict)",
         description="Functional, host, performance, speculative A/B, stability and observability checks "
         "(infra/validation/launch) against one deployment. Exit code 0 when every check that ran passed, 1 when one "
         "failed, 2 when the suite could not run. API key from $SPECDEPLOY_API_KEY.",
@@ -71,7 +71,7 @@ def _validate(args: argparse.Namespace) -> int:
     out = sys.stdout
     if not result.summary:
         raise CommandError(f"the launch suite did not write a report (pytest exit code {result.exit_code})")
-    out.write(f"\nlaunch gate: {'PASS' if result.passed else 'FAIL'}\n")
+    out.write(f"\nlaunch verdict: {'PASS' if result.passed else 'FAIL'}\n")
     for nodeid in result.failed_checks:
         out.write(f"  failed: {nodeid}\n")
     rec = result.recommendation

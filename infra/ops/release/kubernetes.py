@@ -228,7 +228,7 @@ class _SlotRouter:
                 for pod in pods if pod.get("status", {}).get("phase") == "Running"]
 
     def pod_endpoints(self, slot: str, port: int) -> list[str]:
-        """``http://<pod IP>:<port>`` of the slot's running, ready pods: the gate path the NetworkPolicy admits
+        """``http://<pod IP>:<port>`` of the slot's running, ready pods: the slot path the NetworkPolicy admits
         from ``release.gate_cidrs`` (the API server's pod proxy is not admitted)."""
         selector = ",".join(f"{k}={v}" for k, v in server_selector(slot).items())
         pods = self.api.get(f"/api/v1/namespaces/{self.namespace}/pods", labelSelector=selector).get("items", [])

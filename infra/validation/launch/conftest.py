@@ -215,7 +215,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         return
     counts = run.counts()
     terminalreporter.section("specdeploy launch validation")
-    terminalreporter.write_line(f"gate: {'PASS' if run.passed else 'FAIL'} ({counts['passed']} passed, "
+    terminalreporter.write_line(f"verdict: {'PASS' if run.passed else 'FAIL'} ({counts['passed']} passed, "
                                 f"{counts['failed']} failed, {counts['skipped']} skipped)")
     if run.recommendation is not None:
         rec = run.recommendation

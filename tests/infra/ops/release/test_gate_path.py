@@ -149,6 +149,6 @@ def test_a_public_stack_without_gate_cidrs_opens_no_gate_path(aws_variant: Calla
 def test_world_open_gate_cidrs_are_refused() -> None:
     from infra.config import ReleaseSpec
 
-    with pytest.raises(ValueError, match="opens the slots' gate paths to the world"):
+    with pytest.raises(ValueError, match="opens each slot's direct path to the world"):
         ReleaseSpec.model_validate({"blue": {"image": "x", "model_version": "s3://b/m"},
                                     "gate_cidrs": ["0.0.0.0/0"]})
