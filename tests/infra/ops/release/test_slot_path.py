@@ -1,9 +1,9 @@
-"""Issue 13 item 1: the path `specdeploy rollout` gates on is one the rendered network rules admit.
+"""Issue 13 item 1: the slot path `specdeploy rollout` validates and guards on is one the rendered network rules admit.
 
 The destination comes from the CLI's own code path (``wiring.connect`` with the stack's outputs as
-`pulumi stack output` would give them); the source is an address the gates run from
+`pulumi stack output` would give them); the source is an address the release tooling runs from
 (``release.gate_cidrs``). Both are checked against the rendered security groups, listeners
-and listener rules of the same program: operator → ALB gate listener → that slot's target
+and listener rules of the same program: operator → ALB slot listener → that slot's target
 group → the slot's instances, which admit the server port from the load balancer only.
 """
 
@@ -32,7 +32,7 @@ EGRESS = "aws:vpc/securityGroupEgressRule:SecurityGroupEgressRule"
 OUTSIDER = "192.0.2.10"  # TEST-NET-1: in no stack's allow-list
 
 
-def _cli_gate(result: PreviewResult, slot: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+def _cli_slot_path(result: PreviewResult, slot: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The endpoints `specdeploy rollout --to <slot>` validates and gates on, given the stack's outputs."""
     for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                         "AWS_DEFAULT_REGION": "us-east-1"}.items():
@@ -113,33 +113,33 @@ def _source(result: PreviewResult) -> str:
 
 @pytest.mark.parametrize("stack", ["dev", "staging", "prod"])
 @pulumi.runtime.test
-def test_the_cli_gates_through_a_path_the_rendered_rules_admit(
+def test_the_cli_reaches_the_slot_through_a_path_the_rendered_rules_admit(
         stack: str, aws_stack: Callable[[str], PreviewResult], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     result = _with_config_text(aws_stack(stack), None)
     slot = result.config.slots.active  # the slot with a fleet in the committed stack
-    endpoints = _cli_gate(result, slot, tmp_path, monkeypatch)
+    endpoints = _cli_slot_path(result, slot, tmp_path, monkeypatch)
     assert len(endpoints) == 1
     _check_path(result, slot, endpoints[0], _source(result))
 
 
 @pulumi.runtime.test
-def test_the_idle_slot_is_reachable_alone_through_its_own_gate(
+def test_the_idle_slot_is_reachable_alone_through_its_own_listener(
         aws_variant: Callable[..., PreviewResult], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     release = load_stack("prod").config.slots.model_dump(mode="json", exclude_none=True)
     variant_dir = tmp_path / "variant"
     variant_dir.mkdir()
     result = aws_variant("prod", release={**release, "green": release["blue"]})
     result = _with_config_text(result, tmp_path)
-    endpoints = _cli_gate(result, "green", variant_dir, monkeypatch)
+    endpoints = _cli_slot_path(result, "green", variant_dir, monkeypatch)
     assert endpoints == [f"https://{result.config.access.domain}:8082"]
     _check_path(result, "green", endpoints[0], _source(result))
-    blue = _cli_gate(result, "blue", variant_dir, monkeypatch)
+    blue = _cli_slot_path(result, "blue", variant_dir, monkeypatch)
     assert blue != endpoints  # each slot alone, never the weighted listener
 
 
 @pulumi.runtime.test
-def test_a_public_stack_without_gate_cidrs_opens_no_gate_path(aws_variant: Callable[..., PreviewResult]) -> None:
+def test_a_public_stack_without_gate_cidrs_opens_no_slot_listener(aws_variant: Callable[..., PreviewResult]) -> None:
     release = load_stack("prod").config.slots.model_dump(mode="json", exclude_none=True)
     result = aws_variant("prod", release={**release, "gate_cidrs": None})
     assert result.exports["gate_endpoints"] == {}

@@ -48,7 +48,7 @@ class StubApi:
         ]}
 
 
-def _gate_endpoints(stacks: Path, slot: str, namespace: str, tmp_path: Path,
+def _slot_path_endpoints(stacks: Path, slot: str, namespace: str, tmp_path: Path,
                     monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setattr(targets, "stack_outputs", lambda stack: {})
     monkeypatch.setattr(kubernetes.KubeApi, "from_environment", lambda *a, **k: StubApi(namespace))
@@ -70,7 +70,7 @@ def _admitted(policy: dict[str, Any], source: str, port: int) -> bool:
 
 
 @pulumi.runtime.test
-def test_gates_use_pod_addresses_the_network_policy_admits_from_the_gate_networks(
+def test_the_slot_path_uses_pod_addresses_the_network_policy_admits_from_the_gate_networks(
         aws_variant: Callable[..., PreviewResult], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from infra.config import load_stack
 
@@ -82,7 +82,7 @@ def test_gates_use_pod_addresses_the_network_policy_admits_from_the_gate_network
     port = result.config.service.port
     namespace = policy["metadata"]["namespace"]
     for slot in [s for s in ("blue", "green") if result.config.slots.slot(s) is not None]:
-        endpoints = _gate_endpoints(stacks, slot, namespace, tmp_path, monkeypatch)
+        endpoints = _slot_path_endpoints(stacks, slot, namespace, tmp_path, monkeypatch)
         assert endpoints == [f"http://{POD_IPS[slot]}:{port}"]  # ready pods only, never /proxy
         (deployment,) = [o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] ==
                          f"specdeploy-{slot}"]
