@@ -1,14 +1,8 @@
-"""Server processes on this machine: start one, wait for /ready, drain it, find the one behind a port.
+"""Server processes on this machine: start one, wait for /ready, drain it, stop it by pid.
 
 One runtime for every `specdeploy serve` started here: the local platform's server (infra/ops/local.py,
-detached, it outlives the command), the launch checks' speculative twin, the HTTP benchmark's servers.
-The container runtime (infra/runtime/container.py) is the same idea under podman.
-
-The speculative A/B on a local stack compares the deployed server with a *twin*: the same config
-file, the same environment (API keys included), the same host, differing only in
-``SPECDEPLOY__SPECULATIVE__ENABLED`` and the port. The server has no runtime switch for
-speculation, and a twin changes exactly one setting ("其他参数不变"), which a restart of the
-deployed server with other flags could not promise.
+detached, it outlives the command), the launch checks' speculative twin (infra/validation/twin.py), the
+HTTP benchmark's servers. The container runtime (infra/runtime/container.py) is the same idea under podman.
 """
 
 from __future__ import annotations
