@@ -36,7 +36,6 @@ from typing import Any
 from fastapi import Request
 from pydantic import ValidationError
 
-from serving.api.deps import check_model
 from serving.api.errors import ApiError
 from serving.api.schemas import (
     ChatCompletionRequest,
@@ -120,6 +119,13 @@ def admit(request: Request, state: ServerState, engine: Engine, body: SamplingFi
     fields: dict[str, Any] = scope_state.setdefault("log_fields", {})
     fields["engine_request_id"] = requests[0].request_id  # the one the response carries
     return Admission(requests, count, prompt_ids, scope_state.get("received_at", time.monotonic()), fields)
+
+
+def check_model(state: ServerState, model: str) -> None:
+    """404 unless ``model`` is the name this server serves."""
+    if model != state.settings.model_name:
+        raise ApiError(404, f"model {model!r} does not exist; this server serves {state.settings.model_name!r}",
+                       param="model", code="model_not_found")
 
 
 def new_request_id(prefix: str) -> str:

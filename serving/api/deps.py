@@ -24,12 +24,5 @@ def get_ready_engine(request: Request) -> Engine:
     return state.engine
 
 
-def check_model(state: ServerState, model: str) -> None:
-    """404 unless ``model`` is the name this server serves."""
-    if model != state.settings.model_name:
-        raise ApiError(404, f"model {model!r} does not exist; this server serves {state.settings.model_name!r}",
-                       param="model", code="model_not_found")
-
-
 StateDep = Annotated[ServerState, Depends(get_state)]
 EngineDep = Annotated[Engine, Depends(get_ready_engine)]

@@ -7,7 +7,8 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from serving.api.deps import StateDep, check_model
+from serving.api.admit import check_model
+from serving.api.deps import StateDep
 from serving.api.state import ServerState
 
 router = APIRouter(tags=["models"])
