@@ -73,7 +73,7 @@ class GrammarSpec:
         if not functions:
             raise GrammarError("a tool call grammar needs at least one function")
         # the name before the arguments (xgrammar writes properties in the schema's order), so a stream can say
-        # which function is called before its arguments come (serving/api/tools.py); each schema canonical
+        # which function is called before its arguments come (serving/api/render/tool_calls.py); each schema canonical
         calls = [{"type": "object", "properties": {"name": {"const": name},
                                                     "arguments": json.loads(_canonical(params or {"type": "object"}))},
                   "required": ["name", "arguments"]} for name, params in sorted(functions.items())]
