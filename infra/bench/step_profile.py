@@ -58,12 +58,12 @@ class StepTimer:
         self._steps_at_start = engine.steps_total
         targets: list[tuple[Any, str, str]] = [
             (engine, "step", "step"),
-            (engine, "run_forward", "forward"),
+            (engine.runner, "run_forward", "forward"),
             (engine.model, "compute_logits", "lm_head"),
             (engine.runner.cache, "write", "attention"),
             (engine.runner.cache, "write_layers", "attention"),
-            (engine, "sample_or_verify", "sampling"),
-            (engine, "logprobs_of", "sampling"),
+            (engine.runner, "sample_or_verify", "sampling"),
+            (engine.runner, "logprobs_of", "sampling"),
         ]
         targets += [(layer.attention, "attend_group", "attention") for layer in engine.model.layers]
         if engine.speculator is not None:
