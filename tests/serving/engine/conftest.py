@@ -74,12 +74,13 @@ def kernel_mode() -> str:
 
 def make_engine(model_dir: Path, **overrides: object) -> LLMEngine:
     # plain nn.Linear unless a test asks for packing: `auto` measures at start-up and could go either way for a
-    # tiny model; tests/serving/engine/test_cpu_linear.py runs the packed path (and once ran this whole suite so)
+    # tiny model; tests/serving/engine/kernels/test_cpu_linear.py runs the packed path (and once ran this whole
+    # suite so)
     settings: dict[str, object] = {"kv_cache_bytes": 8 * 2**20, "max_batched_tokens": 128, "max_concurrency": 32,
                                    "cpu_weight_packing": "off"}
     # the CPU decode-attention kernel without the start-up timing (auto could go either way for a tiny model), so
     # every engine test runs the path production CPUs take; tensor-parallel engines attend gathered (the kernel is
-    # refused there by name). tests/serving/engine/test_cpu_attention.py covers auto, off and the refusals
+    # refused there by name). tests/serving/engine/kernels/test_cpu_attention.py covers auto, off and the refusals
     tp = int(overrides.get("tensor_parallel_size", 1))  # type: ignore[call-overload]
     settings["cpu_decode_attention"] = (kernel_mode() if tp == 1 and overrides.get("device", "cpu") == "cpu"
                                         else "auto")
