@@ -136,8 +136,9 @@ class DraftModelProposer:
 
     def prepare_rollout(self, mode: str, num_draft_tokens: int, wrapper: str = "cpp") -> RolloutDecision:
         """speculative.draft_rollout: compile (and in auto, measure) the rollout at start-up, before any request."""
-        self.rollout, self.rollout_decision = prepare(self.model, mode, num_draft_tokens, wrapper)  # type: ignore[arg-type]
-        return self.rollout_decision
+        rollout, decision = prepare(self.model, mode, num_draft_tokens, wrapper)  # type: ignore[arg-type]
+        self.rollout, self.rollout_decision = rollout, decision
+        return decision
 
     def pack_weights(self, mode: WeightPacking, reason_not: str | None) -> list[PackingDecision]:
         """model.cpu_weight_packing for the draft (after prepare_rollout: a rollout keeps the weights plain)."""
@@ -155,6 +156,8 @@ class DraftModelProposer:
             rows.append(("speculative.draft_rollout", "on" if self.rollout_decision.enabled else "off",
                          self.rollout_decision.reason))
         return rows
+
+    # ---- drafting ------------------------------------------------------------------------------------------
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.compiled is not None:
