@@ -1,7 +1,8 @@
 """The build step: from an EngineConfig to a loaded, sized and tuned model runner (LLMEngine.from_config).
 
-`load` reads the weights in the dtype it resolves (and starts the tensor-parallel ranks), sizes the KV cache and
-builds the proposer; `tune` then takes every other decision the engine makes by itself, in this order:
+`load` bounds oneDNN's primitive caches (before the first primitive: kernels/primitive_cache.py), reads the
+weights in the dtype it resolves (and starts the tensor-parallel ranks), sizes the KV cache and builds the
+proposer; `tune` then takes every other decision the engine makes by itself, in this order:
 
     threads → draft rollout → weight packing → decode attention → compile
 
@@ -23,7 +24,7 @@ from serving.config import CPU_KV_CACHE_BYTES
 from serving.engine.config import EngineConfig
 from serving.engine.cpu_threads import choose as choose_threads
 from serving.engine.cpu_threads import usable_cores
-from serving.engine.kernels import cpu_attention, cpu_linear
+from serving.engine.kernels import cpu_attention, cpu_linear, primitive_cache
 from serving.engine.kv_cache import kv_bytes_per_block
 from serving.engine.loader import dtype_reason, load_model, read_model_args, resolve_dtype
 from serving.engine.model import Transformer
@@ -54,6 +55,7 @@ def load(config: EngineConfig) -> tuple[ModelRunner, Any | None, str]:
     device = torch.device(
         ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
     )
+    caches = primitive_cache.bound(device)  # before the first oneDNN primitive of the load and the tuning
     args = read_model_args(config.model)
     dtype = resolve_dtype(config.dtype, args, device)
     max_model_len = config.max_model_len or args.max_position_embeddings
@@ -76,6 +78,7 @@ def load(config: EngineConfig) -> tuple[ModelRunner, Any | None, str]:
             speculator = build_speculator(config, model, dtype, device, num_blocks)
         tokenizer = load_tokenizer(config.tokenizer or config.model)
         runner = ModelRunner(model, config, num_blocks, speculator, tp_group)
+        runner.primitive_caches = caches
     except BaseException:
         if tp_group is not None:
             tp_group.shutdown()
@@ -113,6 +116,7 @@ def tune(runner: ModelRunner, config: EngineConfig, why_dtype: str) -> list[Deci
 
     decisions = [("model.dtype", str(runner.dtype).removeprefix("torch."), why_dtype),
                  ("model.num_threads", str(threads.threads or torch.get_num_threads()), threads.reason),
+                 ("oneDNN primitive caches", *runner.primitive_caches),
                  ("model.compile", "on" if runner.compiled is not None else "off",
                   f"model.compile is {config.compile} on {device.type}")]
     decisions += [(f"model.cpu_weight_packing[{d.model}]", "packed" if d.packed else "dense", d.reason)

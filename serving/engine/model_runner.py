@@ -58,6 +58,7 @@ class ModelRunner:
         self.weight_packing: list[PackingDecision] = []  # per model: target, draft
         self.decode_attention: list[AttentionDecision] = []  # per model: target, draft
         self.draft_rollout: RolloutDecision | None = None  # a draft model's rollout
+        self.primitive_caches: tuple[str, str] = ("unbounded", "not set by the build")  # kernels/primitive_cache.py
 
     def compile_steps(self, measure: bool | None = None, whole_decode: bool | None = None,
                       backend: str = "inductor") -> None:

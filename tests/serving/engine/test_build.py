@@ -29,13 +29,14 @@ def test_tune_decides_the_target_alone_without_a_proposer(llama_dir: Path) -> No
     assert tokenizer is None and runner.speculator is None and runner.compiled is None
     decisions = tune(runner, config, why_dtype)
     assert [key for key, _, _ in decisions] == [
-        "model.dtype", "model.num_threads", "model.compile", "model.cpu_weight_packing[target]",
-        "model.cpu_decode_attention[target]"]
+        "model.dtype", "model.num_threads", "oneDNN primitive caches", "model.compile",
+        "model.cpu_weight_packing[target]", "model.cpu_decode_attention[target]"]
     assert decisions[0] == ("model.dtype", "float32", why_dtype)
     assert decisions[1] == ("model.num_threads", "1", "model.num_threads is 1")
-    assert decisions[2] == ("model.compile", "off", "model.compile is off on cpu")
-    assert decisions[3] == ("model.cpu_weight_packing[target]", "dense", "model.cpu_weight_packing is off")
-    assert decisions[4] == ("model.cpu_decode_attention[target]", "gather + SDPA", "model.cpu_decode_attention is off")
+    assert decisions[2] == ("oneDNN primitive caches", *runner.primitive_caches)
+    assert decisions[3] == ("model.compile", "off", "model.compile is off on cpu")
+    assert decisions[4] == ("model.cpu_weight_packing[target]", "dense", "model.cpu_weight_packing is off")
+    assert decisions[5] == ("model.cpu_decode_attention[target]", "gather + SDPA", "model.cpu_decode_attention is off")
     assert [d.model for d in runner.weight_packing] == ["target"] and runner.draft_rollout is None
 
 
@@ -46,11 +47,11 @@ def test_tune_takes_the_drafts_decisions_through_its_hooks(llama_dir: Path) -> N
     runner, _, why_dtype = load(config)
     decisions = tune(runner, config, why_dtype)
     assert [key for key, _, _ in decisions] == [
-        "model.dtype", "model.num_threads", "model.compile",
+        "model.dtype", "model.num_threads", "oneDNN primitive caches", "model.compile",
         "model.cpu_weight_packing[target]", "model.cpu_weight_packing[draft]",
         "model.cpu_decode_attention[target]", "model.cpu_decode_attention[draft]",
         "speculative", "speculative.draft_token_map", "speculative.draft_rollout"]
-    assert decisions[7:] == [
+    assert decisions[8:] == [
         ("speculative", "draft, k <= 3", "adaptive: k per step from measured costs"),
         ("speculative.draft_token_map", "none", "speculative.draft_token_map is none"),
         ("speculative.draft_rollout", "off", "speculative.draft_rollout is off")]
