@@ -73,6 +73,9 @@ class ServiceSpec(StrictModel):
     port: int = section_field(ServiceSection, "port")
     drain_grace_s: float = section_field(ServiceSection, "drain_grace_s")
     metrics_require_auth: bool = section_field(ServiceSection, "metrics_require_auth")
+    header_timeout_s: float = section_field(ServiceSection, "header_timeout_s")
+    body_timeout_s: float = section_field(ServiceSection, "body_timeout_s")
+    max_unauthenticated_connections: int = section_field(ServiceSection, "max_unauthenticated_connections")
     max_memory_utilization: float = section_field(ModelSection, "max_memory_utilization")
 
 
@@ -105,6 +108,9 @@ def render_server_config(
             "served_model_name": config.model.name,
             "metrics_require_auth": config.service.metrics_require_auth,
             "drain_grace_s": config.service.drain_grace_s,
+            "header_timeout_s": config.service.header_timeout_s,
+            "body_timeout_s": config.service.body_timeout_s,
+            "max_unauthenticated_connections": config.service.max_unauthenticated_connections,
             "api_keys_file": api_keys_file,
             "weights_uri": weights_uri,
         },

@@ -257,3 +257,21 @@ def test_the_stacks_thread_count_reaches_the_server_config(tmp_path: Path) -> No
 def test_a_draft_thread_count_is_refused_by_name(tmp_path: Path) -> None:
     message = _error_for(tmp_path, lambda c: c["specdeploy:draft"].update({"num_threads": 2}))
     assert "draft.num_threads" in message and "set model.num_threads" in message
+
+
+def test_the_stacks_connection_limits_reach_the_server_config(tmp_path: Path) -> None:
+    defaults = render_server_config(load_stack("dev").config).service
+    server = ServiceSection()
+    assert (defaults.header_timeout_s, defaults.body_timeout_s, defaults.max_unauthenticated_connections) == (
+        server.header_timeout_s, server.body_timeout_s, server.max_unauthenticated_connections)
+    stacks_dir = _write_stack(tmp_path, lambda c: c.setdefault("specdeploy:service", {}).update(
+        {"header_timeout_s": 5, "body_timeout_s": 12.5, "max_unauthenticated_connections": 64}))
+    rendered = render_server_config(load_stack("broken", stacks_dir).config).service
+    assert (rendered.header_timeout_s, rendered.body_timeout_s, rendered.max_unauthenticated_connections) == (
+        5, 12.5, 64)
+
+
+def test_a_connection_limit_out_of_bounds_is_refused_by_name(tmp_path: Path) -> None:
+    message = _error_for(tmp_path, lambda c: c.setdefault("specdeploy:service", {}).update(
+        {"max_unauthenticated_connections": 0}))
+    assert "max_unauthenticated_connections" in message
