@@ -25,6 +25,7 @@ import yaml
 from infra.config import load_stack
 from infra.ops import image
 from infra.ops.local import LocalDeployment
+from infra.runtime.podman import podman_env
 from serving.net import free_port
 
 pytestmark = [pytest.mark.image, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -64,7 +65,7 @@ def _inspect(name: str) -> dict[str, Any]:
 
 def _exec(local: LocalDeployment, *command: str) -> subprocess.CompletedProcess[str]:
     assert local.container is not None
-    return subprocess.run(["podman", "exec", local.container.name, *command], env=image.podman_env(),
+    return subprocess.run(["podman", "exec", local.container.name, *command], env=podman_env(),
                           capture_output=True, text=True, timeout=60)
 
 
