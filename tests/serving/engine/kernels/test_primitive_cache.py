@@ -43,8 +43,8 @@ def test_cuda_leaves_the_environment_alone(clean_env: pytest.MonkeyPatch) -> Non
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
 def test_a_bounded_process_stops_growing_with_new_row_counts() -> None:
     """The behaviour behind the bound, in a fresh process (the capacity is read once per process): packed
-    matmuls at 96 distinct row counts grow resident memory by a primitive per row count, unbounded; bounded,
-    the growth stops at the bound's worth."""
+    matmuls at new row counts grow resident memory by a primitive per row count, unbounded; bounded, the
+    growth stops once the bound's worth is held."""
     script = textwrap.dedent("""
         import sys, torch
         if sys.argv[1] == "bounded":
@@ -66,5 +66,6 @@ def test_a_bounded_process_stops_growing_with_new_row_counts() -> None:
     growth = {mode: float(subprocess.run([sys.executable, "-c", script, mode], env=env, check=True,
                                          capture_output=True, text=True).stdout)
               for mode in ("unbounded", "bounded")}
-    assert growth["unbounded"] > 64, growth  # 192 new primitives at ~0.6 MiB each
-    assert growth["bounded"] < 16, growth
+    if growth["unbounded"] < 8:  # 192 new primitives: ~108 MiB on the AMD EPYC build host
+        pytest.skip(f"this oneDNN keeps {growth['unbounded']:.1f} MiB for 192 shapes: nothing worth bounding here")
+    assert growth["bounded"] < 0.25 * growth["unbounded"], growth
