@@ -12,10 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -25,7 +22,9 @@ from typing import Any
 
 import yaml
 
-from serving.net import NotReady, free_port, wait_until_ready
+from infra.bench.http import clean_environment
+from infra.runtime.process import ServerProcess
+from serving.net import free_port
 
 GOAL = 0.95
 SERVED_NAME = "bench"
@@ -144,26 +143,13 @@ def _server(model_dir: Path, workdir: Path, output_len: int, threads: int | str)
         "scheduler": {"max_output_len": max(output_len, 16), "request_timeout_s": 600},
     }
     (workdir / "server.yaml").write_text(yaml.safe_dump(config))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEPLOY")}
-    env = {k: v for k, v in env.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}  # the config decides
-    env.update(SPECDEPLOY_ENV="development")
-    with (workdir / "server.log").open("wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "infra.ops.cli.main", "serve", "--config",
-                                 str(workdir / "server.yaml")], env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+    # the environment less thread variables and SPECDEPLOY_ overrides: the config decides
+    server = ServerProcess(workdir / "server.yaml", port, clean_environment(), workdir / "server.log").start(600)
     try:
-        try:
-            wait_until_ready(base, 600, proc, poll_s=0.2)
-        except NotReady as exc:
-            raise RuntimeError(f"{exc}\n{(workdir / 'server.log').read_text()[-4000:]}") from exc
-        yield base, proc.pid
+        assert server.pid is not None
+        yield server.endpoint, server.pid
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        server.stop()
 
 
 def _process_cpu_s(pid: int) -> float:
