@@ -92,6 +92,12 @@ class ServiceSection(StrictModel):
         10.0, gt=0, description="A connection's request headers must be complete this long after it opened (or after "
         "its previous response), else it is closed: a client sending a byte at a time holds no connection forever.",
     )
+    keep_alive_s: float = Field(
+        5.0, gt=0, le=7200, description="How long an idle keep-alive connection stays open between requests (the "
+        "next request's headers then have service.header_timeout_s more). Behind a load balancer that reuses its "
+        "connections to the server it must outlast the balancer's idle timeout, or the balancer can send a request "
+        "on a connection the server is closing and the client gets a 502: the AWS stacks render it so.",
+    )
     body_timeout_s: float = Field(
         30.0, gt=0, description="A request body's next part must arrive within this long of the previous one, else a "
         "408 and the connection closes.",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -121,6 +122,7 @@ class DrainingServer:
         guard: ConnectionGuard = app.state.connections
         config = uvicorn.Config(app, host=settings.config.service.host, port=settings.config.service.port,
                                 log_config=None, access_log=False, timeout_graceful_shutdown=_CLOSE_CONNECTIONS_S,
+                                timeout_keep_alive=math.ceil(settings.config.service.keep_alive_s),
                                 http=protocol_class(guard), h11_max_incomplete_event_size=64 * 1024)
         server = self
 

@@ -18,7 +18,7 @@ fraction of a second.
 
 from infra.config.access import OPEN_CIDRS, AccessSpec
 from infra.config.alerting import AlertingSpec, SloSpec
-from infra.config.aws import FleetSpec, ScaleSchedule
+from infra.config.aws import KEEP_ALIVE_MARGIN_S, FleetSpec, ScaleSchedule, load_balancer_idle_timeout_s
 from infra.config.kubernetes import KubernetesSpec, Toleration
 from infra.config.project import (
     PROJECT,
@@ -39,6 +39,7 @@ from infra.config.server import (
     ServiceSpec,
     SpeculativeSpec,
     render_server_config,
+    server_keep_alive_s,
 )
 from infra.config.stack import (
     SECRET_FIELDS,
@@ -55,11 +56,11 @@ from infra.config.stack import (
 from serving.config import ConfigError
 
 __all__ = [
-    "MODEL_CACHE_DIR", "OPEN_CIDRS", "PROJECT", "PROJECT_FILE", "REPO_ROOT", "SECRET_FIELDS", "SECRET_MASK",
-    "SLOTS", "AccessSpec", "AlertingSpec", "ConfigError", "FleetSpec", "KubernetesSpec", "LocalSpec",
-    "ModelSpec", "Platform", "ReleaseSpec", "ScaleSchedule", "ServiceSpec", "Slot", "SlotServerSpec",
-    "SlotSpec", "SloSpec", "SpeculativeSpec", "StackConfig", "StackFile", "Toleration", "available_stacks",
-    "config_key", "find_project_dir", "from_pulumi", "load_stack", "masked_dump", "other_slot",
-    "parse_stack_mapping", "project_dir", "project_stacks_dir", "render_server_config", "stack_path",
-    "use_project",
+    "KEEP_ALIVE_MARGIN_S", "MODEL_CACHE_DIR", "OPEN_CIDRS", "PROJECT", "PROJECT_FILE", "REPO_ROOT", "SECRET_FIELDS",
+    "SECRET_MASK", "SLOTS", "AccessSpec", "AlertingSpec", "ConfigError", "FleetSpec", "KubernetesSpec", "LocalSpec",
+    "ModelSpec", "Platform", "ReleaseSpec", "ScaleSchedule", "ServiceSpec", "Slot", "SlotServerSpec", "SlotSpec",
+    "SloSpec", "SpeculativeSpec", "StackConfig", "StackFile", "Toleration", "available_stacks", "config_key",
+    "find_project_dir", "from_pulumi", "load_balancer_idle_timeout_s", "load_stack", "masked_dump", "other_slot",
+    "parse_stack_mapping", "project_dir", "project_stacks_dir", "render_server_config", "server_keep_alive_s",
+    "stack_path", "use_project",
 ]

@@ -1,12 +1,25 @@
-"""The AWS sections: the GPU fleet and its autoscaling."""
+"""The AWS sections: the GPU fleet and its autoscaling; the load balancer's idle timeout, which the server's
+keep-alive must outlast."""
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import Field, model_validator
 
 from serving.config import StrictModel
+
+# AWS's advice for targets behind an ALB: keep idle connections open longer than the balancer's idle timeout,
+# so the balancer, not the server, closes an idle connection (else a request sent as the server closes is a 502)
+KEEP_ALIVE_MARGIN_S = 5
+
+
+def load_balancer_idle_timeout_s(request_timeout_s: float) -> int:
+    """The ALB's idle timeout: long prefills and slow streams sit silent for a while, so never below the server's
+    own request timeout (+ 60 s), 300 s at least, and at most the 4,000 s AWS allows."""
+    return min(4000, max(300, math.ceil(request_timeout_s) + 60))
+
 
 _ECR_REPOSITORY = r"^[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*$"
 

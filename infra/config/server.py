@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, field_validator
 
+from infra.config.aws import KEEP_ALIVE_MARGIN_S, load_balancer_idle_timeout_s
 from serving.config import (
     CPU_KV_CACHE_BYTES,
     ModelSection,
@@ -74,6 +75,7 @@ class ServiceSpec(StrictModel):
     drain_grace_s: float = section_field(ServiceSection, "drain_grace_s")
     metrics_require_auth: bool = section_field(ServiceSection, "metrics_require_auth")
     header_timeout_s: float = section_field(ServiceSection, "header_timeout_s")
+    keep_alive_s: float = section_field(ServiceSection, "keep_alive_s")
     body_timeout_s: float = section_field(ServiceSection, "body_timeout_s")
     max_unauthenticated_connections: int = section_field(ServiceSection, "max_unauthenticated_connections")
     max_memory_utilization: float = section_field(ModelSection, "max_memory_utilization")
@@ -109,6 +111,7 @@ def render_server_config(
             "metrics_require_auth": config.service.metrics_require_auth,
             "drain_grace_s": config.service.drain_grace_s,
             "header_timeout_s": config.service.header_timeout_s,
+            "keep_alive_s": server_keep_alive_s(config),
             "body_timeout_s": config.service.body_timeout_s,
             "max_unauthenticated_connections": config.service.max_unauthenticated_connections,
             "api_keys_file": api_keys_file,
@@ -129,3 +132,13 @@ def render_server_config(
         "speculative": {**spec.model_dump(), "draft_model": draft_path if use_draft else None},
     }
     return ServerConfig.model_validate(data)
+
+
+def server_keep_alive_s(config: StackConfig) -> float:
+    """service.keep_alive_s as the server gets it: on AWS at least the load balancer's idle timeout + a margin, so
+    the balancer closes idle connections before the server does (a request it sends on a connection the server is
+    closing would be a 502); elsewhere the stack's value."""
+    if config.platform != "aws":
+        return config.service.keep_alive_s
+    idle = load_balancer_idle_timeout_s(config.scheduler.request_timeout_s)
+    return max(config.service.keep_alive_s, idle + KEEP_ALIVE_MARGIN_S)

@@ -27,7 +27,7 @@ class ConnectionGuard:
     At the cap a new connection evicts the oldest unauthenticated one that is idle between requests or
     still sending headers (a slow client holds its slot only until someone needs it); if every one is
     mid-request the new connection gets a 503. The limits are the server config's (service.header_timeout_s,
-    service.max_unauthenticated_connections; service.body_timeout_s is the middleware's)."""
+    service.keep_alive_s, service.max_unauthenticated_connections; service.body_timeout_s is the middleware's)."""
 
     limits: ServiceSection
     unauthenticated: dict[tuple[str, int], Any] = field(default_factory=dict)  # peer -> protocol, oldest first
@@ -112,7 +112,8 @@ def protocol_class(guard: ConnectionGuard) -> type[H11Protocol]:
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
-                self._arm_header_timer()
+                # idle for up to keep_alive_s (uvicorn closes it then), then header_timeout_s for the headers
+                self._arm_header_timer(guard.limits.keep_alive_s)
 
         def send_400_response(self, msg: str) -> None:
             """h11 could not parse the request (bad Content-Length, bad header): an OpenAI error, not text."""
@@ -128,9 +129,10 @@ def protocol_class(guard: ConnectionGuard) -> type[H11Protocol]:
                 self.transport.write(self.conn.send(event) or b"")
             self.transport.close()
 
-        def _arm_header_timer(self) -> None:
+        def _arm_header_timer(self, idle_allowance_s: float = 0.0) -> None:
             self._disarm_header_timer()
-            self._header_timer = self.loop.call_later(guard.limits.header_timeout_s, self._header_timeout)
+            self._header_timer = self.loop.call_later(idle_allowance_s + guard.limits.header_timeout_s,
+                                                      self._header_timeout)
 
         def _disarm_header_timer(self) -> None:
             if self._header_timer is not None:

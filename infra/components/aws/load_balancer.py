@@ -19,7 +19,7 @@ import pulumi
 import pulumi_aws as aws
 
 from infra.components.aws.common import SecureBucket, child, secure_bucket, tags
-from infra.config import SLOTS, other_slot
+from infra.config import SLOTS, load_balancer_idle_timeout_s, other_slot
 from serving.config import SchedulerSection, ServiceSection
 
 TLS_POLICY = "ELBSecurityPolicy-TLS13-1-2-2021-06"
@@ -65,8 +65,7 @@ class LoadBalancerArgs:
 
     @property
     def idle_timeout_s(self) -> int:
-        # Long prefills and slow streams sit silent for a while; never cut a request the server still runs.
-        return min(4000, max(300, math.ceil(self.request_timeout_s) + 60))
+        return load_balancer_idle_timeout_s(self.request_timeout_s)
 
     @property
     def deregistration_delay_s(self) -> int:

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from tests.serving.api.conftest import KEYS, MODEL_NAME, ServerProcess
+from tests.serving.chaos.conftest import serving
 
 AUTH = f"Authorization: Bearer {KEYS['alice']}\r\n"
 
@@ -71,6 +72,27 @@ def test_slow_clients_are_cut_off_and_served_clients_are_not_starved(chaos_serve
     assert b'"body_timeout"' in reply
     assert time.monotonic() - started < 8
     for sock in [*partial_headers, short_body]:
+        sock.close()
+
+
+@pytest.mark.slow
+def test_an_idle_keep_alive_connection_lasts_keep_alive_s_not_the_header_timeout(
+        tmp_path: Path, model_store: str) -> None:
+    """What a load balancer that reuses connections relies on: after a response, an idle connection stays open
+    for service.keep_alive_s (here 4 s, past the 1 s header timeout), then the server closes it."""
+    env = {"SPECDEPLOY__SERVICE__HEADER_TIMEOUT_S": "1", "SPECDEPLOY__SERVICE__KEEP_ALIVE_S": "4"}
+    for server in serving(tmp_path, model_store, env=env):
+        sock = _connect(server.port)
+        sock.sendall(f"GET /health HTTP/1.1\r\nHost: x\r\n{AUTH}\r\n".encode())
+        closed, reply = _closed_within(sock, 2.5)  # the response, then 2.5 s idle: past the header timeout
+        assert reply.startswith(b"HTTP/1.1 200") and not closed, (closed, reply[:200])
+        sock.sendall(f"GET /health HTTP/1.1\r\nHost: x\r\n{AUTH}\r\n".encode())  # reused: served
+        answered = time.monotonic()
+        closed, reply = _closed_within(sock, 1.0)
+        assert reply.startswith(b"HTTP/1.1 200") and not closed, (closed, reply[:200])
+        closed, _ = _closed_within(sock, 8.0)  # idle again: closed once keep_alive_s has passed
+        idle_s = time.monotonic() - answered
+        assert closed and 3.5 < idle_s < 7.0, idle_s
         sock.close()
 
 

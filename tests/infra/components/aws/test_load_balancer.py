@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
 import pulumi
 import pytest
+import yaml
 
 from infra.components.aws.load_balancer import TLS_POLICY, LoadBalancer, LoadBalancerArgs
+from infra.components.aws.user_data import decode_user_data
 from infra.config import PROJECT, load_stack
 from infra.program.preview import ACCOUNT_ID, PreviewResult, new_mocks
 
@@ -81,6 +84,24 @@ def test_deregistration_waits_for_the_servers_drain(stack: str, aws_stack: Stack
 def test_idle_timeout_outlasts_the_request_timeout(stack: str, aws_stack: StackFn) -> None:
     timeout = load_stack(stack).config.scheduler.request_timeout_s
     assert aws_stack(stack).single(ALB).inputs["idleTimeout"] > timeout
+
+
+@pytest.mark.parametrize("stack", ["dev", "staging", "prod"])
+@pulumi.runtime.test
+def test_the_servers_keep_idle_connections_open_longer_than_the_alb(stack: str, aws_stack: StackFn) -> None:
+    """The ALB reuses its connections to a target until its idle timeout. A server that closes an idle one first
+    races the ALB's next request on it, and the client gets a 502: every slot's server, as its boot script writes
+    its config, keeps idle connections longer than the ALB does (AWS's advice for targets)."""
+    result = aws_stack(stack)
+    idle = result.single(ALB).inputs["idleTimeout"]
+    templates = result.of_type("aws:ec2/launchTemplate:LaunchTemplate")
+    assert templates
+    for template in templates:
+        script = decode_user_data(template.inputs["userData"])
+        written = re.search(r"<<'SPECDEPLOY_SERVER_CONFIG'\n(.*?)SPECDEPLOY_SERVER_CONFIG", script, re.S)
+        assert written is not None, "the boot script writes no server config"
+        keep_alive = yaml.safe_load(written.group(1))["service"]["keep_alive_s"]
+        assert keep_alive > idle, (template.name, keep_alive, idle)
 
 
 @pytest.mark.parametrize("stack", ["dev", "prod"])
