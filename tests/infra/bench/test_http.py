@@ -78,3 +78,23 @@ def test_the_plain_run_measures_both_servers_through_http(tmp_path: Path) -> Non
     assert "speculative.draft_token_map token_map.json (auto: token_map.json, listed in the draft's manifest.json)" \
         in result.decisions
     assert "model.dtype float32 (auto" in report.off_decisions["default"]
+
+
+def test_a_loaded_pair_warms_each_server_first_and_leaves_the_warm_up_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One unmeasured phase per server at the pair's concurrency, then alternating measured phases of 2c: a
+    fast (or slow) warm-up phase never becomes a side's best."""
+    import asyncio
+
+    calls: list[tuple[str, int]] = []
+    rates = {("off", 4): 9_999.0, ("on", 4): 9_999.0, ("off", 8): 100.0, ("on", 8): 120.0}
+
+    async def phase(client: object, base: str, prompts: object, concurrency: int, requests: int,
+                    output_len: int) -> tuple[float, list[float]]:
+        assert concurrency == 4
+        calls.append((base, requests))
+        return rates[(base, requests)] + len(calls), [0.1 * len(calls)]
+
+    monkeypatch.setattr(http, "_closed_loop", phase)
+    pair = asyncio.run(http.measure_loaded("off", "on", ["p"], 4, 16, 2))
+    assert calls == [("off", 4), ("on", 4), ("off", 8), ("on", 8), ("on", 8), ("off", 8)]
+    assert (pair.off_tokens_per_s, pair.on_tokens_per_s) == (106.0, 125.0)  # the best measured phase of each
