@@ -214,6 +214,12 @@ class SchedulerSection(StrictModel):
         return self
 
 
+# the most draft tokens a step may verify (speculative.num_draft_tokens)
+MAX_DRAFT_TOKENS = 16
+# the shortest speculative.draft_context: after a restart on half of it, the draft still has room for a
+# rollout of the most drafts and its catch-up
+MIN_DRAFT_CONTEXT = 4 * MAX_DRAFT_TOKENS
+
 # the conventional name of a draft's token map: `draft_token_map: auto` uses it when the draft ships one
 TOKEN_MAP_NAME = "token_map.json"
 
@@ -233,9 +239,9 @@ class SpeculativePolicy(StrictModel):
     enabled: bool = Field(False, description="Turn speculative decoding on.")
     method: Literal["draft", "ngram"] = Field("draft", description="Proposer: a draft model or n-gram lookup.")
     num_draft_tokens: int = Field(
-        12, ge=1, le=16, description="k: the most draft tokens a sequence verifies in one step (the adaptive "
-        "policy picks 0..k per step): a larger k gains more tokens a step when drafts are accepted and costs more "
-        "draft work when they are not. Measured: " + MEASURED_IN + "#speculative-num-draft-tokens.",
+        12, ge=1, le=MAX_DRAFT_TOKENS, description="k: the most draft tokens a sequence verifies in one step (the "
+        "adaptive policy picks 0..k per step): a larger k gains more tokens a step when drafts are accepted and "
+        "costs more draft work when they are not. Measured: " + MEASURED_IN + "#speculative-num-draft-tokens.",
     )
     adaptive: bool = Field(True, description="Choose k per step from measured cost and acceptance (0 allowed).")
     ngram_min: int = Field(1, ge=1, le=8, description="Shortest suffix matched by the n-gram proposer.")
@@ -263,9 +269,29 @@ class SpeculativePolicy(StrictModel):
         "full vocabulary. Measured: " + MEASURED_IN + "#speculative-draft-token-map.",
     )
 
+    draft_context: int | Literal["auto"] | None = Field(
+        "auto", description="Method draft: the most tokens of a sequence the draft model reads. Once a sequence "
+        "(with the drafts of a step) would pass it, the draft reads only its latest half of this many tokens, at "
+        "positions counted from there, and goes on from there; speculation stays lossless, only what the draft "
+        "proposes changes. A draft taken past the context it was trained on proposes worse, and its proposals "
+        "are rejected. auto: the draft's max_position_embeddings where that is shorter than the target's "
+        "context, else the whole sequence; none (or null): always the whole sequence. "
+        "Measured: " + MEASURED_IN + "#speculative-draft-context.",
+    )
+
     @property
     def uses_draft_model(self) -> bool:
         return self.enabled and self.method == "draft"
+
+    @field_validator("draft_context", mode="before")
+    @classmethod
+    def _draft_context(cls, value: object) -> object:
+        if isinstance(value, str) and value.lower() == "none":
+            return None
+        if isinstance(value, int) and not isinstance(value, bool) and value < MIN_DRAFT_CONTEXT:
+            raise ValueError(f"speculative.draft_context {value} is too short: the draft must keep room for "
+                             f"a step's drafts after restarting on half of it (at least {MIN_DRAFT_CONTEXT})")
+        return value
 
     @field_validator("draft_token_map")
     @classmethod

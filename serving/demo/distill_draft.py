@@ -138,6 +138,8 @@ def distill_draft(args: argparse.Namespace) -> Path:
             draft.model.embed_tokens.weight.copy_(init * (emb.std() / init.std()))
             if not shape.tied:
                 draft.lm_head.weight.copy_(draft.model.embed_tokens.weight)
+    # the context it learns: speculative.draft_context auto keeps the draft's reading of a sequence within it
+    draft.config.max_position_embeddings = args.seq_len
     draft.to(device)  # type: ignore[arg-type]  # transformers' typing of PreTrainedModel.to
     log.info("draft parameters: %d", sum(p.numel() for p in draft.parameters()))
 

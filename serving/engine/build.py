@@ -143,7 +143,7 @@ def build_speculator(
         # as many draft blocks as target blocks: the draft never runs out before the target does
         proposer = DraftModelProposer.load(spec.draft_model, config.model, model.args, dtype, device,
                                            model.max_model_len, num_blocks, config.kv_block_size,
-                                           spec.draft_token_map)
+                                           spec.draft_token_map, spec.draft_context)
     return Speculator(spec, proposer, model.max_model_len)
 
 

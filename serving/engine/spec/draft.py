@@ -13,6 +13,15 @@ blocks full of the sequence's own tokens get a content address, never ones holdi
 With `speculative.draft_rollout` (CPU), a step where a single greedy sequence drafts, its draft lagging by
 at most two tokens, runs the catch-up and all the drafts as one compiled graph instead
 (serving.engine.spec.rollout), where that is expected to cost less than the forwards it replaces.
+
+The draft reads at most `speculative.draft_context` tokens of a sequence (auto: the context it was trained on,
+its max_position_embeddings, where that is shorter than the target's). Its view of a sequence is the tokens from
+an offset on, at positions counted from the offset: 0 until the view with a step's drafts would pass the
+context, then the start of the sequence's latest half-context of tokens, which the draft reads anew (one
+catch-up forward) and continues from. A draft past the length it was trained on proposes what the target
+rejects: the demo draft, trained on 256-token windows, went from 4.7 to 6.6 tokens a round on held-out prompts
+of 290-300 tokens with its reading held to their last 128 (docs/benchmarks/log.md). Proposals change, never
+the output: verification decides every token.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from serving.config import DecodeAttentionMode, WeightPacking
+from serving.config import MAX_DRAFT_TOKENS, MIN_DRAFT_CONTEXT, DecodeAttentionMode, WeightPacking
 from serving.engine.batch import ForwardBatch, ForwardBatchBuilder, SequenceInput
 from serving.engine.compile import CompiledForward, buckets_up_to
 from serving.engine.grammar import apply_grammar_masks
@@ -62,6 +71,26 @@ def check_same_tokenizer(target_dir: Path, draft_dir: Path, target: ModelArgs, d
             raise DraftMismatchError(f"draft {draft_dir} and target {target_dir} have different tokenizers")
 
 
+def resolve_context(setting: int | str | None, draft: ModelArgs, max_model_len: int) -> tuple[int | None, str]:
+    """speculative.draft_context: the most tokens of a sequence the draft reads (None: all of them), and why."""
+    if setting is None:
+        return None, "speculative.draft_context is none"
+    if setting != "auto":
+        if int(setting) < MIN_DRAFT_CONTEXT:  # the config refuses it first; a direct caller gets the same words
+            raise ValueError(f"speculative.draft_context {setting} is too short (at least {MIN_DRAFT_CONTEXT})")
+        if int(setting) >= max_model_len:
+            return None, f"speculative.draft_context {setting} covers the context ({max_model_len} tokens)"
+        return int(setting), "speculative.draft_context names it"
+    trained = draft.max_position_embeddings
+    if trained >= max_model_len:
+        return None, f"auto: the draft's max_position_embeddings ({trained}) covers the context ({max_model_len})"
+    if trained < MIN_DRAFT_CONTEXT:
+        return None, (f"auto: the draft's max_position_embeddings ({trained}) is under {MIN_DRAFT_CONTEXT}, too short "
+                      "to restart on half of it; the draft reads whole sequences")
+    return trained, (f"auto: the draft's max_position_embeddings, under the context ({max_model_len}); past it the "
+                     f"draft reads the latest {trained // 2} tokens anew")
+
+
 class DraftModelProposer:
     uses_model = True  # every draft position is a forward of the draft model
 
@@ -86,6 +115,10 @@ class DraftModelProposer:
         self.token_map_size: int | None = None  # load(token_map=...): the tokens the draft may propose
         self.token_map: str | None = None  # the file it came from
         self.token_map_reason = "the full vocabulary"  # why (speculative.draft_token_map, resolved)
+        self.context: int | None = None  # speculative.draft_context, resolved (None: whole sequences)
+        self.context_reason = "the whole sequence"
+        self.offset: dict[str, int] = {}  # req_id -> the first sequence position the draft reads
+        self.context_restarts_total = 0  # views moved on to a sequence's latest half-context
 
     @classmethod
     def load(
@@ -99,6 +132,7 @@ class DraftModelProposer:
         num_blocks: int,
         block_size: int,
         token_map: str | None = None,
+        context: int | str | None = "auto",
     ) -> DraftModelProposer:
         """The draft model, checked against the target's tokenizer; with token_map (speculative.draft_token_map: a
         file in draft_dir, or auto, serving.engine.spec.token_map.resolve) its lm_head restricted to the map's
@@ -112,6 +146,7 @@ class DraftModelProposer:
         model = load_model(draft_dir, dtype, device, max_model_len)
         proposer = cls(model, num_blocks, block_size)
         proposer.token_map_reason = reason
+        proposer.context, proposer.context_reason = resolve_context(context, draft_args, max_model_len)
         if token_map is not None and ids is not None:
             apply_token_map(model, ids)
             proposer.token_map_size = len(ids)
@@ -151,7 +186,9 @@ class DraftModelProposer:
         return [cpu_attention.choose_for(self.model, "draft", self.builder, mode, tensor_parallel)]
 
     def decisions(self) -> list[tuple[str, str, str]]:
-        rows = [("speculative.draft_token_map", self.token_map or "none", self.token_map_reason)]
+        rows = [("speculative.draft_token_map", self.token_map or "none", self.token_map_reason),
+                ("speculative.draft_context", str(self.context) if self.context else "whole sequence",
+                 self.context_reason)]
         if self.rollout_decision is not None:
             rows.append(("speculative.draft_rollout", "on" if self.rollout_decision.enabled else "off",
                          self.rollout_decision.reason))
@@ -166,26 +203,54 @@ class DraftModelProposer:
 
     def lag(self, req: Request) -> int:
         """Tokens the draft must run for this sequence before it can draft (1 when it is up to date)."""
-        return req.num_tokens - min(self._start(req), req.num_tokens - 1)
+        n = self._view_len(req)
+        return n - min(self._start(req), n - 1)
+
+    def _view_len(self, req: Request) -> int:
+        """Tokens of the sequence the draft reads (from its offset on), after _start."""
+        self._start(req)
+        return req.num_tokens - self.offset.get(req.request_id, 0)
+
+    def _view(self, req: Request) -> list[int]:
+        return req.all_token_ids[self.offset.get(req.request_id, 0):]
 
     def _start(self, req: Request) -> int:
-        """Tokens of the sequence in the draft cache; a sequence seen for the first time takes its cached prefix."""
-        computed = self.computed.get(req.request_id)
-        if computed is None:
-            computed = self.blocks.match_prefix(req.request_id, req.all_token_ids)
-            self.computed[req.request_id] = computed
-            self.prefix_hit_tokens_total += computed
+        """Tokens of the sequence's view in the draft cache. A sequence seen for the first time takes its cached
+        prefix; one whose view would pass the draft's context with a step's drafts starts a new view on its
+        latest half-context of tokens."""
+        rid = req.request_id
+        computed = self.computed.get(rid)
+        if computed is not None and (self.context is None or
+                                     req.num_tokens - self.offset.get(rid, 0) + self._reach() <= self.context):
+            return computed
+        if computed is not None:  # the view moves on: its cached tokens are at positions of the old one
+            self.blocks.free(rid)
+            self.context_restarts_total += 1
+        offset = 0
+        if self.context is not None and req.num_tokens + self._reach() > self.context:
+            offset = req.num_tokens - self.context // 2
+        self.offset[rid] = offset
+        computed = self.blocks.match_prefix(rid, req.all_token_ids[offset:])
+        self.computed[rid] = computed
+        self.prefix_hit_tokens_total += computed
         return computed
+
+    def _reach(self) -> int:
+        """Positions past the sequence's tokens that one step of drafting may write: a rollout's steps, or the
+        most drafts a step (a catch-up token included)."""
+        return self.rollout.steps if self.rollout is not None else MAX_DRAFT_TOKENS + 1
 
     def release(self, req_id: str) -> None:
         self.blocks.free(req_id)
         self.computed.pop(req_id, None)
+        self.offset.pop(req_id, None)
 
     def rollback(self, req_id: str, num_valid_tokens: int) -> None:
         """Keep only the first num_valid_tokens of the sequence (the rest were rejected drafts)."""
-        if req_id in self.computed and self.computed[req_id] > num_valid_tokens:
-            self.computed[req_id] = num_valid_tokens
-            self.blocks.truncate(req_id, num_valid_tokens)
+        valid = num_valid_tokens - self.offset.get(req_id, 0)  # of the draft's view
+        if req_id in self.computed and self.computed[req_id] > valid:
+            self.computed[req_id] = valid
+            self.blocks.truncate(req_id, valid)
 
     @torch.inference_mode()
     def propose(self, reqs: list[Request], ks: dict[str, int]) -> Proposals:
@@ -193,9 +258,8 @@ class DraftModelProposer:
         active = []
         for req in reqs:
             k = ks.get(req.request_id, 0)
-            self._start(req)
-            # positions N .. N + k - 2 get draft K/V (the last draft is never fed back)
-            if k > 0 and self.blocks.allocate(req.request_id, req.num_tokens + k - 1):
+            # positions N .. N + k - 2 of the view get draft K/V (the last draft is never fed back)
+            if k > 0 and self.blocks.allocate(req.request_id, self._view_len(req) + k - 1):
                 active.append(req)
         if active and not (self._rolls_out_now(active, ks) and self._roll_out(active[0], ks[active[0].request_id],
                                                                               drafts)):
@@ -209,22 +273,25 @@ class DraftModelProposer:
 
         # first forward: catch up on the tokens the draft has not seen, draft one token from the last
         seqs = []
+        views = {req.request_id: self._view(req) for req in active}  # positions count from each view's start
         for req in active:
-            tokens = req.all_token_ids[req.num_tokens - self.lag(req) :]
-            start = req.num_tokens - len(tokens)
+            view = views[req.request_id]
+            tokens = view[len(view) - self.lag(req) :]
+            start = len(view) - len(tokens)
             seqs.append(SequenceInput(tokens, start, self.blocks.block_table(req.request_id), [len(tokens) - 1]))
-            self.computed[req.request_id] = req.num_tokens
+            self.computed[req.request_id] = len(view)
             self.catch_up_tokens_total += len(tokens)
         self._draft_step(active, seqs, drafts, probs, walked)
         for req in active:  # blocks now full of the sequence's own tokens become reusable by content
-            self.blocks.commit(req.request_id, req.all_token_ids, req.num_tokens)
+            view = views[req.request_id]
+            self.blocks.commit(req.request_id, view, len(view))
 
         for j in range(1, max(ks[r.request_id] for r in active)):
             step = [r for r in active if ks[r.request_id] > j]
-            seqs = [SequenceInput([drafts.tokens[r.request_id][-1]], r.num_tokens + j - 1,
+            seqs = [SequenceInput([drafts.tokens[r.request_id][-1]], len(views[r.request_id]) + j - 1,
                                   self.blocks.block_table(r.request_id), [0]) for r in step]
             for r in step:
-                self.computed[r.request_id] = r.num_tokens + j
+                self.computed[r.request_id] = len(views[r.request_id]) + j
             self._draft_step(step, seqs, drafts, probs, walked)
 
         for req in active:
@@ -244,9 +311,9 @@ class DraftModelProposer:
         """Whether a rollout can draft for this sequence: greedy and plain, its draft lagging by at most MAX_LAG
         tokens, with room for every rollout step in the context."""
         assert self.rollout is not None
-        lag = self.lag(r)
+        lag, n = self.lag(r), self._view_len(r)
         return (r.params.greedy and r.grammar is None and not r.params.adjusts_logits and lag <= MAX_LAG
-                and r.num_tokens - lag >= 1 and r.num_tokens - lag + self.rollout.steps <= self.model.max_model_len)
+                and n - lag >= 1 and n - lag + self.rollout.steps <= self.model.max_model_len)
 
     def _rolls_out_now(self, active: list[Request], ks: dict[str, int]) -> bool:
         """Whether this step's drafting is one rollout: a single sequence drafts, the rollout can serve it, and
@@ -262,12 +329,12 @@ class DraftModelProposer:
         assert self.rollout is not None
         started = time.perf_counter()
         bs, dev = self.block_size, self.device
-        lag = self.lag(r)
-        ctx = r.num_tokens - lag  # tokens of the sequence in the draft cache
+        lag, view = self.lag(r), self._view(r)
+        ctx = len(view) - lag  # tokens of the sequence's view in the draft cache
         table = self.blocks.block_table(r.request_id)
         blocks = torch.tensor(table[: -(-ctx // bs)], device=dev)
         shape = (self.cache.k.shape[0], 1, len(blocks) * bs, self.cache.n_kv_heads, self.cache.head_dim)
-        forced = r.all_token_ids[ctx:] + [0] * (self.rollout.steps - lag)  # its unseen tokens, then drafts
+        forced = view[ctx:] + [0] * (self.rollout.steps - lag)  # its unseen tokens, then drafts
         try:  # positions and ctx_len are equal but must be distinct tensors (the graph's guards say so)
             out, k_new, v_new = self.rollout((
                 torch.tensor(forced, device=dev)[:, None], torch.tensor([lag], device=dev),
@@ -282,10 +349,10 @@ class DraftModelProposer:
         slots = [table[p // bs] * bs + p % bs for p in range(ctx, ctx + fed)]
         self.cache.write_layers(torch.tensor(slots, device=dev), k_new[:fed, :, 0].transpose(0, 1),
                                 v_new[:fed, :, 0].transpose(0, 1))
-        self.computed[r.request_id] = r.num_tokens + k - 1
+        self.computed[r.request_id] = len(view) + k - 1
         self.catch_up_tokens_total += lag
         # blocks now full of the sequence's own tokens become reusable by content
-        self.blocks.commit(r.request_id, r.all_token_ids, r.num_tokens)
+        self.blocks.commit(r.request_id, view, len(view))
         # the policy is given this cost as a whole (fixed_draft_seconds), not as forwards of its draft_cost fit
         drafts.rollout_seconds = time.perf_counter() - started
         self.rollout.rollout_cost.observe(1, drafts.rollout_seconds)

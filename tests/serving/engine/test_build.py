@@ -50,10 +50,12 @@ def test_tune_takes_the_drafts_decisions_through_its_hooks(llama_dir: Path) -> N
         "model.dtype", "model.num_threads", "oneDNN primitive caches", "model.compile",
         "model.cpu_weight_packing[target]", "model.cpu_weight_packing[draft]",
         "model.cpu_decode_attention[target]", "model.cpu_decode_attention[draft]",
-        "speculative", "speculative.draft_token_map", "speculative.draft_rollout"]
+        "speculative", "speculative.draft_token_map", "speculative.draft_context", "speculative.draft_rollout"]
     assert decisions[8:] == [
         ("speculative", "draft, k <= 3", "adaptive: k per step from measured costs"),
         ("speculative.draft_token_map", "none", "speculative.draft_token_map is none"),
+        ("speculative.draft_context", "whole sequence", "auto: the draft's max_position_embeddings (512) covers the "
+                                                        "context (512)"),
         ("speculative.draft_rollout", "off", "speculative.draft_rollout is off")]
     assert [d.model for d in runner.weight_packing] == ["target", "draft"]
     assert [d.model for d in runner.decode_attention] == ["target", "draft"]

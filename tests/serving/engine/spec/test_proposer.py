@@ -90,6 +90,7 @@ def test_the_draft_takes_its_start_up_decisions_through_the_hooks(kit: Any, llam
     draft.compile_steps(2, measure=False, whole_decode=False, backend="eager")
     assert draft.compiled is not None and sorted(draft.compiled.graphs) == buckets_up_to(2)
     assert draft.decisions() == [("speculative.draft_token_map", "none", "the full vocabulary"),
+                                 ("speculative.draft_context", "whole sequence", "the whole sequence"),
                                  ("speculative.draft_rollout", "off", "speculative.draft_rollout is off")]
 
     draft.rollout = object()  # type: ignore[assignment]  # a compiled rollout keeps the draft's weights plain
