@@ -207,7 +207,7 @@ class DraftModelProposer:
         return n - min(self._start(req), n - 1)
 
     def _view_len(self, req: Request) -> int:
-        """Tokens of the sequence the draft reads (from its offset on), after _start."""
+        """Tokens of the sequence the draft reads: from its offset on (_start places the view first)."""
         self._start(req)
         return req.num_tokens - self.offset.get(req.request_id, 0)
 
