@@ -75,9 +75,7 @@ def resolve_context(setting: int | str | None, draft: ModelArgs, max_model_len: 
     """speculative.draft_context: the most tokens of a sequence the draft reads (None: all of them), and why."""
     if setting is None:
         return None, "speculative.draft_context is none"
-    if setting != "auto":
-        if int(setting) < MIN_DRAFT_CONTEXT:  # the config refuses it first; a direct caller gets the same words
-            raise ValueError(f"speculative.draft_context {setting} is too short (at least {MIN_DRAFT_CONTEXT})")
+    if setting != "auto":  # a length the config has checked (SpeculativeSection refuses one under MIN_DRAFT_CONTEXT)
         if int(setting) >= max_model_len:
             return None, f"speculative.draft_context {setting} covers the context ({max_model_len} tokens)"
         return int(setting), "speculative.draft_context names it"
@@ -212,7 +210,9 @@ class DraftModelProposer:
         return req.num_tokens - self.offset.get(req.request_id, 0)
 
     def _view(self, req: Request) -> list[int]:
-        return req.all_token_ids[self.offset.get(req.request_id, 0):]
+        """The tokens the draft reads (read only: the request's own list where the view starts at 0, no copy)."""
+        offset = self.offset.get(req.request_id, 0)
+        return req.all_token_ids[offset:] if offset else req.all_token_ids
 
     def _start(self, req: Request) -> int:
         """Tokens of the sequence's view in the draft cache. A sequence seen for the first time takes its cached
