@@ -146,6 +146,19 @@ def spec_server(tmp_path_factory: pytest.TempPathFactory, demo_store: tuple[str,
         "draft_rollout": "off"}})
 
 
+@pytest.fixture(scope="module")
+def fixed_spec_server(
+    tmp_path_factory: pytest.TempPathFactory, demo_store: tuple[str, Path]
+) -> Iterator[ServerProcess]:
+    """The demo pair drafting a fixed k = 4 on every step: no policy or guard decides, so a request that takes the
+    speculative path drafts whatever the load and the machine's speed (the adaptive spec_server may, rightly, stop
+    drafting at c = 1 on a slow or noisy machine, and then no single request is sure to draft)."""
+    store, draft = demo_store
+    yield from _serving(tmp_path_factory.mktemp("fixed-spec"), store, {**DEMO_LIMITS, "speculative": {
+        "enabled": True, "method": "draft", "draft_model": str(draft), "num_draft_tokens": 4, "adaptive": False,
+        "draft_rollout": "off"}})
+
+
 @pytest.fixture(scope="session")
 def demo_server(tmp_path_factory: pytest.TempPathFactory, demo_store: tuple[str, Path]) -> Iterator[ServerProcess]:
     """The demo target without speculation."""

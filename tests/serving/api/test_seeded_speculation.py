@@ -66,8 +66,11 @@ def test_n_choices_seeded_s_are_the_requests_seeded_s_to_s_plus_n_minus_1(spec_s
     assert texts == singles
 
 
-def test_a_seeded_response_is_the_seeded_chat_completion_and_speculates(spec_server: Any) -> None:
-    """The Responses API takes chat's request path, speculation included."""
+def test_a_seeded_response_is_the_seeded_chat_completion_and_speculates(fixed_spec_server: Any) -> None:
+    """The Responses API takes chat's request path, speculation included. On a server with a fixed k: the adaptive
+    guard may veto drafting at c = 1 where the machine measures it slower, and a lone request then drafts nothing
+    (seen once in CI: 60 draft tokens before and after)."""
+    spec_server = fixed_spec_server
     body = {key: value for key, value in SEEDED.items() if key not in ("messages", "ignore_eos", "max_tokens")}
     expected = chat(spec_server, {**body, "messages": MESSAGES, "max_tokens": 48})[0]
     drafts_before = spec_server.metric("specdeploy_spec_draft_tokens_total")
