@@ -40,6 +40,7 @@ from infra.runtime.process import ServerProcess
 from serving.net import free_port
 
 SERVED_NAME = "bench"
+MIN_PHASE_REQUESTS = 32  # requests in a measured closed-loop phase at least (measure_loaded)
 # the figures issue #34 holds the shipped defaults to
 GOALS = {"c1_speedup": 2.5, "c1_p99_ratio": 0.5, "loaded_ratio": 0.97, "threads_ratio": 0.95}
 _DECISIONS = re.compile(r"start-up decisions: (.*)$", re.MULTILINE)
@@ -256,7 +257,14 @@ async def measure_c1(off: str, on: str, prompts: Sequence[str], output_len: int,
 
 async def measure_loaded(off: str, on: str, prompts: Sequence[str], concurrency: int, output_len: int,
                          repeats: int) -> Pair:
-    """Closed loops of `concurrency` over 2 x concurrency requests, off and on alternately; the best of each.
+    """Closed loops of `concurrency` over max(2 x concurrency, MIN_PHASE_REQUESTS) requests, off and on
+    alternately; the best of each.
+
+    A phase drains at its end: its last requests run with fewer than `concurrency` beside them, and with speculation
+    on, request times spread further (the draft guesses some prompts better than others), so a short phase charges
+    the spec-on side a longer drain. At c=4 a phase of 8 requests lasted ~3 s (two waves, the second one draining),
+    and the same cell read 0.76 in one matrix run and 1.18 run alone; MIN_PHASE_REQUESTS keeps the drain a small
+    share of the phase.
 
     Each server first runs one unmeasured phase at this concurrency: a server's first phase at a new load ran
     10-25 % below its later ones (first-touch of KV cache pages, allocator growth, the adaptive policy's and the
@@ -274,7 +282,7 @@ async def measure_loaded(off: str, on: str, prompts: Sequence[str], concurrency:
         await phase(base, concurrency)
     for round_ in range(repeats):
         for base in ((off, on) if round_ % 2 == 0 else (on, off)):
-            rate, latencies = await phase(base, 2 * concurrency)
+            rate, latencies = await phase(base, max(2 * concurrency, MIN_PHASE_REQUESTS))
             if rate > best[base]:
                 best[base], tails[base] = rate, p99(latencies)
     return Pair(concurrency, best[off], best[on], tails[off], tails[on])

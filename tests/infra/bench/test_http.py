@@ -81,12 +81,12 @@ def test_the_plain_run_measures_both_servers_through_http(tmp_path: Path) -> Non
 
 
 def test_a_loaded_pair_warms_each_server_first_and_leaves_the_warm_up_out(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One unmeasured phase per server at the pair's concurrency, then alternating measured phases of 2c: a
-    fast (or slow) warm-up phase never becomes a side's best."""
+    """One unmeasured phase per server at the pair's concurrency, then alternating measured phases of 2c (at
+    least MIN_PHASE_REQUESTS): a fast (or slow) warm-up phase never becomes a side's best."""
     import asyncio
 
     calls: list[tuple[str, int]] = []
-    rates = {("off", 4): 9_999.0, ("on", 4): 9_999.0, ("off", 8): 100.0, ("on", 8): 120.0}
+    rates = {("off", 4): 9_999.0, ("on", 4): 9_999.0, ("off", 32): 100.0, ("on", 32): 120.0}
 
     async def phase(client: object, base: str, prompts: object, concurrency: int, requests: int,
                     output_len: int) -> tuple[float, list[float]]:
@@ -96,5 +96,23 @@ def test_a_loaded_pair_warms_each_server_first_and_leaves_the_warm_up_out(monkey
 
     monkeypatch.setattr(http, "_closed_loop", phase)
     pair = asyncio.run(http.measure_loaded("off", "on", ["p"], 4, 16, 2))
-    assert calls == [("off", 4), ("on", 4), ("off", 8), ("on", 8), ("on", 8), ("off", 8)]
+    assert calls == [("off", 4), ("on", 4), ("off", 32), ("on", 32), ("on", 32), ("off", 32)]
     assert (pair.off_tokens_per_s, pair.on_tokens_per_s) == (106.0, 125.0)  # the best measured phase of each
+
+
+def test_a_loaded_phase_is_2c_requests_and_never_under_the_minimum(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At c=4 a measured phase of 2c = 8 requests is mostly its start and its drain: it carries 32; at c=64, 128."""
+    import asyncio
+
+    sizes: dict[int, set[int]] = {}
+
+    async def phase(client: object, base: str, prompts: object, concurrency: int, requests: int,
+                    output_len: int) -> tuple[float, list[float]]:
+        if requests != concurrency:  # not the warm-up
+            sizes.setdefault(concurrency, set()).add(requests)
+        return 1.0, [0.1]
+
+    monkeypatch.setattr(http, "_closed_loop", phase)
+    for c in (4, 16, 64):
+        asyncio.run(http.measure_loaded("off", "on", ["p"], c, 16, 2))
+    assert sizes == {4: {http.MIN_PHASE_REQUESTS}, 16: {32}, 64: {128}}
