@@ -19,7 +19,7 @@ added to the bucket's drafting seconds all the same. Then:
   cycle and nothing drafts, so that it costs what a spec-off engine's step does;
 - where drafting cycles measure below VETO_BELOW of plain ones, the bucket is vetoed: every k is 0. Every
   PROBE_EVERY cycles a probe of PROBE_CYCLES lets the policy draft again, on fresh evidence (the bucket's
-  drafting figure starts anew), and the veto lifts only if the probe measures at least LIFT_AT of plain.
+  drafting figure starts anew), and the veto lifts only if the whole probe measures at least LIFT_AT of plain.
 
 Plain cycles are refreshed rarely where drafting clearly wins (FAR_AHEAD): there each forced plain cycle costs
 what speculation would have gained.
@@ -98,10 +98,6 @@ class SpeculationGuard:
             self.vetoes_total += 1
             log.info("speculation off at ~%d running requests: drafting cycles %.0f tokens/s, plain %.0f",
                      num_running, b.drafting.per_second, b.plain.per_second)
-        elif b.vetoed and drafted and b.drafting.samples >= MIN_SAMPLES and ratio >= LIFT_AT:  # a probe's
-            b.vetoed, b.probing = False, 0
-            log.info("speculation back on at ~%d running requests: drafting cycles %.0f tokens/s, plain %.0f",
-                     num_running, b.drafting.per_second, b.plain.per_second)
 
     def charge(self, num_running: int, seconds: float) -> None:
         """What a drafting cycle's proposal took (the policy, the draft's catch-ups and forwards) where its step
@@ -124,6 +120,8 @@ class SpeculationGuard:
                 b.drafting = Rate()  # the probe decides on its own evidence
             if b.probing > 0:
                 b.probing -= 1
+                if b.probing == 0:  # the probe's last cycle: its evidence decides, not its first few cycles
+                    self._judge_probe(b, num_running)
                 return True
             self.vetoed_cycles_total += 1
             return False
@@ -135,6 +133,17 @@ class SpeculationGuard:
         if due:
             self.forced_plain_total += 1
         return not due
+
+    def _judge_probe(self, b: Bucket, num_running: int) -> None:
+        """Lift the veto where the probe's drafting cycles measured at least LIFT_AT of plain ones. Judged over
+        the whole probe: its first cycles flatter drafting (the requests whose draft is up to date draft first,
+        the others catch up later), and lifted on those, c=4 buckets in bf16 flapped off and on every few
+        seconds, each lift paying every request's catch-up."""
+        ratio = b.ratio()
+        if ratio is not None and b.drafting.samples >= MIN_SAMPLES and ratio >= LIFT_AT:
+            b.vetoed = False
+            log.info("speculation back on at ~%d running requests: drafting cycles %.0f tokens/s, plain %.0f",
+                     num_running, b.drafting.per_second, b.plain.per_second)
 
     def describe(self) -> dict[str, object]:
         """Per bucket: drafting and plain tokens/s, their sample counts, and whether it is vetoed."""

@@ -65,6 +65,26 @@ def test_a_veto_lifts_when_probes_measure_faster_and_buckets_are_independent() -
     assert not guard.buckets[bucket(64)].vetoed
 
 
+def test_a_probe_is_judged_over_all_its_cycles_not_its_first_few() -> None:
+    """A probe whose first cycles run 30 % ahead of plain (the requests whose draft is up to date) and the rest
+    20 % behind (the others catching up) leaves the veto on; judged on its first MIN_SAMPLES cycles it lifted,
+    and the bucket flapped. A probe ahead throughout lifts it, at the probe's end."""
+    for late_tps, lifted in ((1600, False), (2600, True)):
+        guard = SpeculationGuard()
+        run_cycles(guard, 8 * g.MIN_SAMPLES, 4, drafting_tps=1800, plain_tps=2000)
+        b = guard.buckets[bucket(4)]
+        assert b.vetoed
+        probe: list[bool] = []
+        while len(probe) < g.PROBE_CYCLES:
+            drafts = guard.allows_drafting(4)
+            if drafts:
+                probe.append(b.vetoed)  # whether the veto still stood at this probe cycle
+            tps = (2600 if len(probe) <= g.MIN_SAMPLES else late_tps) if drafts else 2000
+            guard.observe(4, drafts, 8 if drafts else 4, (8 if drafts else 4) / tps)
+        assert all(probe[:-1])  # no lift before the probe's last cycle
+        assert (not b.vetoed) is lifted
+
+
 def test_catch_ups_in_prefill_steps_are_charged_to_drafting() -> None:
     """Clean drafting cycles 5 % ahead of plain ones, but every fourth drafting cycle also prefilled and spent
     40 % of a cycle catching the draft up: drafting costs more than it gains, and the bucket is vetoed. Without
