@@ -261,10 +261,10 @@ async def measure_loaded(off: str, on: str, prompts: Sequence[str], concurrency:
     alternately; the best of each.
 
     A phase drains at its end: its last requests run with fewer than `concurrency` beside them, and with speculation
-    on, request times spread further (the draft guesses some prompts better than others), so a short phase charges
-    the spec-on side a longer drain. At c=4 a phase of 8 requests lasted ~3 s (two waves, the second one draining),
-    and the same cell read 0.76 in one matrix run and 1.18 run alone; MIN_PHASE_REQUESTS keeps the drain a small
-    share of the phase.
+    on, request times spread further (the draft guesses some prompts better than others), so a short phase can
+    charge the spec-on side a longer drain. At c=4 a phase of 8 requests lasted ~3 s (two waves, the second one
+    draining), and the same cell read 0.76 in one matrix run and 1.18 run alone; MIN_PHASE_REQUESTS keeps the
+    drain a small share of the phase.
 
     Each server first runs one unmeasured phase at this concurrency: a server's first phase at a new load ran
     10-25 % below its later ones (first-touch of KV cache pages, allocator growth, the adaptive policy's and the

@@ -19,7 +19,8 @@ added to the bucket's drafting seconds all the same. Then:
   cycle and nothing drafts, so that it costs what a spec-off engine's step does;
 - where drafting cycles measure below VETO_BELOW of plain ones, the bucket is vetoed: every k is 0. Every
   PROBE_EVERY cycles a probe of PROBE_CYCLES lets the policy draft again, on fresh evidence (the bucket's
-  drafting figure starts anew), and the veto lifts only if the whole probe measures at least LIFT_AT of plain.
+  drafting figure starts anew), and the veto lifts only if the probe, judged at its end, measures at least
+  LIFT_AT of plain.
 
 Plain cycles are refreshed rarely where drafting clearly wins (FAR_AHEAD): there each forced plain cycle costs
 what speculation would have gained.
@@ -135,8 +136,9 @@ class SpeculationGuard:
         return not due
 
     def _judge_probe(self, b: Bucket, num_running: int) -> None:
-        """Lift the veto where the probe's drafting cycles measured at least LIFT_AT of plain ones. Judged over
-        the whole probe, not as soon as MIN_SAMPLES of its cycles read well: bf16 buckets at c=4 lifted on
+        """Lift the veto where the probe's drafting cycles measured at least LIFT_AT of plain ones. Judged as its
+        last cycle starts, on every probe cycle before it, not as soon as MIN_SAMPLES of them read well: bf16
+        buckets at c=4 lifted on
         probes reading 1.04-1.27 of plain and were vetoed again 0.1-10 s later at 0.92-1.00, flapping every few
         seconds, each lift paying every request's catch-up (the draft lags while vetoed)."""
         ratio = b.ratio()

@@ -66,9 +66,9 @@ def test_a_veto_lifts_when_probes_measure_faster_and_buckets_are_independent() -
 
 
 def test_a_probe_is_judged_over_all_its_cycles_not_its_first_few() -> None:
-    """A probe whose first cycles run 30 % ahead of plain (the requests whose draft is up to date) and the rest
-    20 % behind (the others catching up) leaves the veto on; judged on its first MIN_SAMPLES cycles it lifted,
-    and the bucket flapped. A probe ahead throughout lifts it, at the probe's end."""
+    """A probe whose first cycles run 30 % ahead of plain and the rest 20 % behind (bf16 buckets at c=4 read
+    like that: lifted, then vetoed again seconds later) leaves the veto on; judged on its first MIN_SAMPLES
+    cycles it lifted, and the bucket flapped. A probe ahead throughout lifts it, at the probe's end."""
     for late_tps, lifted in ((1600, False), (2600, True)):
         guard = SpeculationGuard()
         run_cycles(guard, 8 * g.MIN_SAMPLES, 4, drafting_tps=1800, plain_tps=2000)
