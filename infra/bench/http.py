@@ -10,8 +10,10 @@ Two runs:
 - the plain config (default): a spec-off and a spec-on server (method draft, the two model paths), up together
   and never loaded together. At c = 1 each held-out code prompt goes to one, then the other (the order swaps
   every round): tokens/s on ÷ off, P99 latency on ÷ off, and whether the greedy texts are identical. At
-  c > 1, closed loops of `c` workers over 2c requests, off then on. With --threads-check, spec-off servers
-  with every thread count 1..cores set explicitly give the c = 1 figure the `auto` choice is held against.
+  c > 1, closed loops of `c` workers over max(2c, 32) requests, off and on alternately: tokens/s under the load
+  of c requests at once (each phase's drain left out: Phase), with the whole phases' figures beside them.
+  With --threads-check, spec-off servers with every thread count 1..cores set explicitly give the c = 1
+  figure the `auto` choice is held against.
 - the load-safety matrix (--matrix): for each dtype, one spec-off server and, one at a time, a spec-on server
   per proposer configuration (draft: k x token map auto / none; n-gram: k), each measured against the spec-off
   server back to back at every concurrency.
@@ -37,6 +39,7 @@ import httpx
 import yaml
 
 from infra.runtime.process import ServerProcess
+from serving.metric_names import GENERATION_TOKENS
 from serving.net import free_port
 
 SERVED_NAME = "bench"
@@ -66,17 +69,50 @@ class Pair:
     on_p99_s: float = 0.0
     identical: int | None = None  # greedy texts identical on vs off, of `compared`
     compared: int | None = None
+    # c > 1: the tokens/s above are each side's steady state (Phase); these are the same phases' whole runs, drain
+    # included
+    off_phase_tokens_per_s: float | None = None
+    on_phase_tokens_per_s: float | None = None
 
     @property
     def ratio(self) -> float:
         return self.on_tokens_per_s / self.off_tokens_per_s if self.off_tokens_per_s else 0.0
 
     @property
+    def phase_ratio(self) -> float | None:
+        """On ÷ off over whole phases, their drains included (c > 1)."""
+        if not self.off_phase_tokens_per_s or self.on_phase_tokens_per_s is None:
+            return None
+        return self.on_phase_tokens_per_s / self.off_phase_tokens_per_s
+
+    @property
     def p99_ratio(self) -> float:
         return self.on_p99_s / self.off_p99_s if self.off_p99_s else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "ratio": round(self.ratio, 4), "p99_ratio": round(self.p99_ratio, 4)}
+        phase_ratio = self.phase_ratio
+        return {**asdict(self), "ratio": round(self.ratio, 4), "p99_ratio": round(self.p99_ratio, 4),
+                "phase_ratio": round(phase_ratio, 4) if phase_ratio is not None else None}
+
+
+@dataclass
+class Phase:
+    """One closed-loop phase of `requests` requests by `concurrency` workers.
+
+    steady_tokens_per_s: the tokens the server generated (its generation counter on /metrics) from the phase's
+    start until its last request was sent, over that time: the load of `concurrency` requests at once, each
+    worker sending its next request as its last one returns. After that the phase drains: its last requests
+    run with fewer and fewer beside them, and how long that lasts depends on how far the requests' ends have
+    spread. Requests of one length that start together end together without speculation (one step finishes them
+    all) and spread with it (the draft guesses some prompts better than others), so a drain charges the spec-on
+    side alone. A service under steady load never drains; the steady window leaves it out for both sides alike.
+
+    tokens_per_s: the whole phase, drain included.
+    """
+
+    steady_tokens_per_s: float
+    tokens_per_s: float
+    latencies: list[float]
 
 
 @dataclass
@@ -210,24 +246,49 @@ async def _complete(client: httpx.AsyncClient, base: str, prompt: str, output_le
     return seconds, int(payload["usage"]["completion_tokens"]), str(payload["choices"][0]["text"])
 
 
+_GENERATED = re.compile(rf"^{GENERATION_TOKENS}_total (\S+)$", re.MULTILINE)
+
+
+async def generated_tokens(client: httpx.AsyncClient, base: str) -> tuple[float, float]:
+    """(when, the server's generation counter then): `when` is the middle of the /metrics round trip."""
+    sent = time.perf_counter()
+    response = await client.get(f"{base}/metrics")
+    when = (sent + time.perf_counter()) / 2
+    if response.status_code != 200:
+        raise RuntimeError(f"{base}/metrics: HTTP {response.status_code}: {response.text[:300]}")
+    found = _GENERATED.search(response.text)
+    if found is None:
+        raise RuntimeError(f"{base}/metrics has no {GENERATION_TOKENS}_total series")
+    return when, float(found.group(1))
+
+
 async def _closed_loop(client: httpx.AsyncClient, base: str, prompts: Sequence[str], concurrency: int,
-                       requests: int, output_len: int) -> tuple[float, list[float]]:
-    """`concurrency` workers over `requests` requests: (tokens/s of the whole phase, each request's seconds)."""
+                       requests: int, output_len: int) -> Phase:
+    """`concurrency` workers over `requests` requests (Phase: its steady and whole tokens/s, each request's
+    seconds). With requests <= concurrency there is no steady window: its figure is the whole phase's."""
     queue = list(range(requests))
     latencies: list[float] = []
     tokens = 0
+    window_end: asyncio.Task[tuple[float, float]] | None = None
 
     async def worker() -> None:
-        nonlocal tokens
+        nonlocal tokens, window_end
         while queue:
             i = queue.pop()
+            if not queue and requests > concurrency:  # the last request goes out: the drain starts
+                window_end = asyncio.create_task(generated_tokens(client, base))
             seconds, n, _ = await _complete(client, base, prompts[i % len(prompts)], output_len)
             latencies.append(seconds)
             tokens += n
 
+    window_start = await generated_tokens(client, base) if requests > concurrency else None
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return tokens / (time.perf_counter() - started), latencies
+    whole = tokens / (time.perf_counter() - started)
+    if window_start is None or window_end is None:
+        return Phase(whole, whole, latencies)
+    (t0, n0), (t1, n1) = window_start, await window_end
+    return Phase((n1 - n0) / (t1 - t0) if t1 > t0 else whole, whole, latencies)
 
 
 def p99(values: Sequence[float]) -> float:
@@ -258,22 +319,17 @@ async def measure_c1(off: str, on: str, prompts: Sequence[str], output_len: int,
 async def measure_loaded(off: str, on: str, prompts: Sequence[str], concurrency: int, output_len: int,
                          repeats: int) -> Pair:
     """Closed loops of `concurrency` over max(2 x concurrency, MIN_PHASE_REQUESTS) requests, off and on
-    alternately; the best of each.
-
-    A phase drains at its end: its last requests run with fewer than `concurrency` beside them, and with speculation
-    on, request times spread further (the draft guesses some prompts better than others), so a short phase can
-    charge the spec-on side a longer drain. At c=4 a phase of 8 requests lasted ~3 s (two waves, the second one
-    draining), and the same cell read 0.76 in one matrix run and 1.18 run alone; MIN_PHASE_REQUESTS keeps the
-    drain a small share of the phase.
+    alternately; the best of each by its steady tokens/s (Phase), which the pair's ratio compares. The same
+    phases' whole figures, drain included, are kept beside them. MIN_PHASE_REQUESTS keeps a steady window of
+    several waves at low concurrency, where 2c requests would give it one.
 
     Each server first runs one unmeasured phase at this concurrency: a server's first phase at a new load ran
     10-25 % below its later ones (first-touch of KV cache pages, allocator growth, the adaptive policy's and the
     guard's first samples), and in the matrix the spec-off server, shared by every row, was warm where each new
     spec-on server was not."""
-    best = {off: 0.0, on: 0.0}
-    tails: dict[str, float] = {}
+    best: dict[str, Phase] = {}
 
-    async def phase(base: str, requests: int) -> tuple[float, list[float]]:
+    async def phase(base: str, requests: int) -> Phase:
         # a client per phase: a server closes connections idle past its keep-alive while the other phase runs
         async with httpx.AsyncClient(timeout=900, limits=httpx.Limits(max_connections=512)) as client:
             return await _closed_loop(client, base, prompts, concurrency, requests, output_len)
@@ -282,10 +338,12 @@ async def measure_loaded(off: str, on: str, prompts: Sequence[str], concurrency:
         await phase(base, concurrency)
     for round_ in range(repeats):
         for base in ((off, on) if round_ % 2 == 0 else (on, off)):
-            rate, latencies = await phase(base, max(2 * concurrency, MIN_PHASE_REQUESTS))
-            if rate > best[base]:
-                best[base], tails[base] = rate, p99(latencies)
-    return Pair(concurrency, best[off], best[on], tails[off], tails[on])
+            measured = await phase(base, max(2 * concurrency, MIN_PHASE_REQUESTS))
+            if base not in best or measured.steady_tokens_per_s > best[base].steady_tokens_per_s:
+                best[base] = measured
+    return Pair(concurrency, best[off].steady_tokens_per_s, best[on].steady_tokens_per_s,
+                p99(best[off].latencies), p99(best[on].latencies),
+                off_phase_tokens_per_s=best[off].tokens_per_s, on_phase_tokens_per_s=best[on].tokens_per_s)
 
 
 def run_plain(target: Path, draft: Path, concurrency: Sequence[int], output_len: int, num_prompts: int,

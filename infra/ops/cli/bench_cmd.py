@@ -347,15 +347,20 @@ def _print_http_table(report: Any) -> None:
         console.print(f"spec-off server ({dtype}) start-up decisions: {line}")
     table = Table(title=f"spec on ÷ off through HTTP — {report.output_len} tokens, {report.prompts} held-out "
                         "code prompts, greedy")
-    for column in ("configuration", "c", "off tok/s", "on tok/s", "on ÷ off", "P99 on ÷ off", "greedy identical"):
+    for column in ("configuration", "c", "off tok/s", "on tok/s", "on ÷ off", "whole phases on ÷ off", "P99 on ÷ off",
+                   "greedy identical"):
         table.add_column(column)
     for result in report.results:
         for pair in result.pairs:
             identical = f"{pair.identical}/{pair.compared}" if pair.compared is not None else ""
             flag = "" if pair.concurrency == 1 or pair.ratio >= GOALS["loaded_ratio"] else " (below 0.97)"
+            whole = f"{pair.phase_ratio:.3f}" if pair.phase_ratio is not None else ""
             table.add_row(result.variant.name, str(pair.concurrency), f"{pair.off_tokens_per_s:.1f}",
-                          f"{pair.on_tokens_per_s:.1f}", f"{pair.ratio:.3f}{flag}", f"{pair.p99_ratio:.3f}", identical)
+                          f"{pair.on_tokens_per_s:.1f}", f"{pair.ratio:.3f}{flag}", whole, f"{pair.p99_ratio:.3f}",
+                          identical)
     console.print(table)
+    console.print("c > 1: tokens/s while every worker had a request to send (the phases' drains left out); "
+                  "'whole phases': the same phases start to end")
     for result in report.results:
         console.print(f"[{result.variant.name}] start-up decisions: {result.decisions}")
     console.print(f"summary: {json.dumps(summary(report))}  goals: {json.dumps(GOALS)}")

@@ -20,7 +20,11 @@ added to the bucket's drafting seconds all the same. Then:
 - where drafting cycles measure below VETO_BELOW of plain ones, the bucket is vetoed: every k is 0. Every
   PROBE_EVERY cycles a probe of PROBE_CYCLES lets the policy draft again, on fresh evidence (the bucket's
   drafting figure starts anew), and the veto lifts only if the probe, judged at its end, measures at least
-  LIFT_AT of plain.
+  LIFT_AT of plain. A probe costs what drafting loses over its cycles, plus the catch-up of every request's
+  draft (it lags while the bucket runs plain), so where drafting cannot win the probes back off: each probe
+  that leaves the veto on, and each veto that follows a lift within PROBE_EVERY_MAX cycles (a lift on a
+  lucky probe), doubles the bucket's interval up to PROBE_EVERY_MAX; a veto after a lift that held that long
+  starts again from PROBE_EVERY.
 
 Plain cycles are refreshed rarely where drafting clearly wins (FAR_AHEAD): there each forced plain cycle costs
 what speculation would have gained.
@@ -40,6 +44,7 @@ DECAY = 0.98  # per observed cycle of the kind: about the last fifty count
 FAR_AHEAD = 1.25  # drafting this much faster: plain cycles refreshed every REFRESH_FAR cycles...
 REFRESH_NEAR, REFRESH_FAR = 48, 400  # ...else every REFRESH_NEAR
 PROBE_EVERY, PROBE_CYCLES = 128, 16  # while vetoed: a probe of this many drafting cycles every PROBE_EVERY
+PROBE_EVERY_MAX = 1024  # the interval's ceiling as failed probes double it
 
 
 def bucket(num_running: int) -> int:
@@ -72,6 +77,8 @@ class Bucket:
     vetoed: bool = False
     cycles: int = 0  # cycles seen in this bucket
     probing: int = 0  # drafting cycles left in the current probe of a veto
+    probe_every: int = PROBE_EVERY  # cycles between probes while vetoed (doubled by failed probes)
+    lifted_at: int | None = None  # the bucket's cycle count at its last lift
 
     def ratio(self) -> float | None:
         """Drafting ÷ plain tokens/s, once both have MIN_SAMPLES."""
@@ -97,8 +104,12 @@ class SpeculationGuard:
         if not b.vetoed and ratio < VETO_BELOW:
             b.vetoed = True
             self.vetoes_total += 1
-            log.info("speculation off at ~%d running requests: drafting cycles %.0f tokens/s, plain %.0f",
-                     num_running, b.drafting.per_second, b.plain.per_second)
+            if b.lifted_at is not None and b.cycles - b.lifted_at < PROBE_EVERY_MAX:
+                b.probe_every = min(2 * b.probe_every, PROBE_EVERY_MAX)  # the lift did not hold
+            else:
+                b.probe_every = PROBE_EVERY
+            log.info("speculation off at ~%d running requests: drafting cycles %.0f tokens/s, plain %.0f; "
+                     "probed every %d cycles", num_running, b.drafting.per_second, b.plain.per_second, b.probe_every)
 
     def charge(self, num_running: int, seconds: float) -> None:
         """What a drafting cycle's proposal took (the policy, the draft's catch-ups and forwards) where its step
@@ -116,7 +127,7 @@ class SpeculationGuard:
         b.plain.age += 1
         b.drafting.age += 1
         if b.vetoed:
-            if b.probing == 0 and b.drafting.age >= PROBE_EVERY:
+            if b.probing == 0 and b.drafting.age >= b.probe_every:
                 b.probing = PROBE_CYCLES
                 b.drafting = Rate()  # the probe decides on its own evidence
             if b.probing > 0:
@@ -136,19 +147,24 @@ class SpeculationGuard:
         return not due
 
     def _judge_probe(self, b: Bucket, num_running: int) -> None:
-        """Lift the veto where the probe's drafting cycles measured at least LIFT_AT of plain ones. Judged as its
-        last cycle starts, on every probe cycle before it, not as soon as MIN_SAMPLES of them read well: bf16
-        buckets at c=4 lifted on
-        probes reading 1.04-1.27 of plain and were vetoed again 0.1-10 s later at 0.92-1.00, flapping every few
-        seconds, each lift paying every request's catch-up (the draft lags while vetoed)."""
+        """Lift the veto where the probe's drafting cycles measured at least LIFT_AT of plain ones, else double
+        the bucket's probe interval. Judged as the probe's last cycle starts, on every probe cycle before it,
+        not as soon as MIN_SAMPLES of them read well: a probe's first cycles can read well on a load where
+        drafting loses (the requests whose draft is up to date draft first), and a lift on them pays every
+        request's catch-up only to be vetoed again."""
         ratio = b.ratio()
         if ratio is not None and b.drafting.samples >= MIN_SAMPLES and ratio >= LIFT_AT:
             b.vetoed = False
+            b.lifted_at = b.cycles
             log.info("speculation back on at ~%d running requests: drafting cycles %.0f tokens/s, plain %.0f",
                      num_running, b.drafting.per_second, b.plain.per_second)
+        else:
+            b.probe_every = min(2 * b.probe_every, PROBE_EVERY_MAX)
 
     def describe(self) -> dict[str, object]:
-        """Per bucket: drafting and plain tokens/s, their sample counts, and whether it is vetoed."""
+        """Per bucket: drafting and plain tokens/s, their sample counts, whether it is vetoed and its probe
+        interval."""
         return {str(k): {"drafting_tps": round(b.drafting.per_second, 1), "plain_tps": round(b.plain.per_second, 1),
-                         "samples": [b.drafting.samples, b.plain.samples], "vetoed": b.vetoed}
+                         "samples": [b.drafting.samples, b.plain.samples], "vetoed": b.vetoed,
+                         "probe_every": b.probe_every}
                 for k, b in sorted(self.buckets.items())}

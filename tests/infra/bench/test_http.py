@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from infra.bench import http
-from infra.bench.http import HttpBenchReport, Pair, Variant, VariantResult
+from infra.bench.http import HttpBenchReport, Pair, Phase, Variant, VariantResult
 from serving.config import ServerConfig
 
 
@@ -75,6 +75,8 @@ def test_the_plain_run_measures_both_servers_through_http(tmp_path: Path) -> Non
     c1 = result.pairs[0]
     assert c1.compared == 2 and c1.identical == 2
     assert all(p.off_tokens_per_s > 0 and p.on_tokens_per_s > 0 for p in result.pairs)
+    loaded = result.pairs[1]  # c=2: steady figures from the servers' generation counters, whole phases beside
+    assert loaded.off_phase_tokens_per_s and loaded.on_phase_tokens_per_s and loaded.phase_ratio
     assert "speculative.draft_token_map token_map.json (auto: token_map.json, listed in the draft's manifest.json)" \
         in result.decisions
     assert "model.dtype float32 (auto" in report.off_decisions["default"]
@@ -89,15 +91,18 @@ def test_a_loaded_pair_warms_each_server_first_and_leaves_the_warm_up_out(monkey
     rates = {("off", 4): 9_999.0, ("on", 4): 9_999.0, ("off", 32): 100.0, ("on", 32): 120.0}
 
     async def phase(client: object, base: str, prompts: object, concurrency: int, requests: int,
-                    output_len: int) -> tuple[float, list[float]]:
+                    output_len: int) -> Phase:
         assert concurrency == 4
         calls.append((base, requests))
-        return rates[(base, requests)] + len(calls), [0.1 * len(calls)]
+        steady = rates[(base, requests)] + len(calls)
+        return Phase(steady, steady / 2, [0.1 * len(calls)])
 
     monkeypatch.setattr(http, "_closed_loop", phase)
     pair = asyncio.run(http.measure_loaded("off", "on", ["p"], 4, 16, 2))
     assert calls == [("off", 4), ("on", 4), ("off", 32), ("on", 32), ("on", 32), ("off", 32)]
     assert (pair.off_tokens_per_s, pair.on_tokens_per_s) == (106.0, 125.0)  # the best measured phase of each
+    assert (pair.off_phase_tokens_per_s, pair.on_phase_tokens_per_s) == (53.0, 62.5)  # the same phases, whole
+    assert (pair.off_p99_s, pair.on_p99_s) == (pytest.approx(0.6), pytest.approx(0.5))
 
 
 def test_a_loaded_phase_is_2c_requests_and_never_under_the_minimum(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -107,12 +112,56 @@ def test_a_loaded_phase_is_2c_requests_and_never_under_the_minimum(monkeypatch: 
     sizes: dict[int, set[int]] = {}
 
     async def phase(client: object, base: str, prompts: object, concurrency: int, requests: int,
-                    output_len: int) -> tuple[float, list[float]]:
+                    output_len: int) -> Phase:
         if requests != concurrency:  # not the warm-up
             sizes.setdefault(concurrency, set()).add(requests)
-        return 1.0, [0.1]
+        return Phase(1.0, 1.0, [0.1])
 
     monkeypatch.setattr(http, "_closed_loop", phase)
     for c in (4, 16, 64):
         asyncio.run(http.measure_loaded("off", "on", ["p"], c, 16, 2))
     assert sizes == {4: {http.MIN_PHASE_REQUESTS}, 16: {32}, 64: {128}}
+
+
+def test_a_phase_s_steady_figure_ends_when_its_last_request_goes_out_and_leaves_the_drain_out() -> None:
+    """A fake server generating 10 tokens/request, 20 ms a request but the last one, which takes 300 ms (a
+    spread drain): the steady window reads the server's counter from the phase's start until the last request
+    is sent; the whole figure carries the drain."""
+    import asyncio
+
+    import httpx
+
+    state = {"generated": 0, "served": 0}
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            series = f"specdeploy_generation_tokens_total {state['generated']}.0"
+            return httpx.Response(200, text=f"# TYPE x counter\n{series}\n")
+        state["served"] += 1
+        await asyncio.sleep(0.3 if state["served"] == 8 else 0.02)
+        state["generated"] += 10
+        return httpx.Response(200, json={"usage": {"completion_tokens": 10}, "choices": [{"text": "x"}]})
+
+    async def run() -> Phase:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await http._closed_loop(client, "http://fake", ["p"], 2, 8, 10)
+
+    phase = asyncio.run(run())
+    assert len(phase.latencies) == 8
+    # 6 requests done in ~3 rounds of 20 ms before the last goes out: ~1,000 tokens/s; 80 tokens over ~0.36 s whole
+    assert phase.steady_tokens_per_s > 2.5 * phase.tokens_per_s
+    assert 40 <= phase.tokens_per_s * 0.3 <= 80
+
+
+def test_a_server_without_the_generation_counter_is_named() -> None:
+    import asyncio
+
+    import httpx
+
+    async def run() -> None:
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, text="other_total 1\n"))
+        async with httpx.AsyncClient(transport=transport) as client:
+            await http.generated_tokens(client, "http://fake")
+
+    with pytest.raises(RuntimeError, match="http://fake/metrics has no specdeploy_generation_tokens_total"):
+        asyncio.run(run())

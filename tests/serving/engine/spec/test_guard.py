@@ -45,15 +45,40 @@ def test_where_drafting_wins_it_stays_on_and_plain_cycles_are_rare() -> None:
     assert allowed.count(False) <= 2 and not guard.buckets[bucket(1)].vetoed
 
 
-def test_where_drafting_loses_the_bucket_is_vetoed_and_probed_now_and_then() -> None:
+def test_where_drafting_loses_the_bucket_is_vetoed_and_its_probes_back_off() -> None:
+    """Vetoed, the bucket drafts only in probes of PROBE_CYCLES; each probe that leaves the veto on doubles the
+    wait before the next, up to PROBE_EVERY_MAX."""
     guard = SpeculationGuard()
     run_cycles(guard, 8 * g.MIN_SAMPLES, 64, drafting_tps=1800, plain_tps=2000)
     assert guard.buckets[bucket(64)].vetoed and guard.vetoes_total == 1
-    allowed = run_cycles(guard, 10 * g.PROBE_EVERY, 64, drafting_tps=1800, plain_tps=2000)
-    # drafting only in probes: PROBE_CYCLES every PROBE_EVERY cycles
-    assert allowed.count(True) <= 11 * g.PROBE_CYCLES
-    assert allowed.count(True) >= 9 * g.PROBE_CYCLES
-    assert guard.buckets[bucket(64)].vetoed
+    allowed = run_cycles(guard, 4 * g.PROBE_EVERY_MAX, 64, drafting_tps=1800, plain_tps=2000)
+    starts = [i for i, a in enumerate(allowed) if a and (i == 0 or not allowed[i - 1])]
+    assert all(allowed[i:i + g.PROBE_CYCLES] == [True] * g.PROBE_CYCLES for i in starts)
+    assert allowed.count(True) == len(starts) * g.PROBE_CYCLES
+    # plain cycles between two probes: the interval counts from a probe's last cycle, the next probe's first
+    # cycle is the interval's last
+    gaps = [b - a - g.PROBE_CYCLES + 1 for a, b in zip(starts, starts[1:], strict=False)]
+    assert gaps[:4] == [2 * g.PROBE_EVERY, 4 * g.PROBE_EVERY, 8 * g.PROBE_EVERY, g.PROBE_EVERY_MAX]
+    assert set(gaps[3:]) == {g.PROBE_EVERY_MAX}
+    assert guard.buckets[bucket(64)].vetoed and guard.vetoes_total == 1
+
+
+def test_a_lift_that_does_not_hold_backs_off_and_one_that_held_starts_afresh() -> None:
+    """A veto soon after a lift (a probe read well by chance) doubles the probe interval; a veto after a lift
+    that held for PROBE_EVERY_MAX cycles (the load changed) starts from PROBE_EVERY again."""
+    guard = SpeculationGuard()
+    run_cycles(guard, 8 * g.MIN_SAMPLES, 64, drafting_tps=1800, plain_tps=2000)
+    b = guard.buckets[bucket(64)]
+    assert b.vetoed and b.probe_every == g.PROBE_EVERY
+    run_cycles(guard, 2 * g.PROBE_EVERY, 64, drafting_tps=3000, plain_tps=2000)  # a probe reads well: lifted
+    assert not b.vetoed
+    run_cycles(guard, 8 * g.MIN_SAMPLES, 64, drafting_tps=1500, plain_tps=2000)  # and vetoed again soon
+    assert b.vetoed and b.probe_every == 2 * g.PROBE_EVERY
+    run_cycles(guard, 4 * g.PROBE_EVERY, 64, drafting_tps=3000, plain_tps=2000)
+    assert not b.vetoed
+    run_cycles(guard, 2 * g.PROBE_EVERY_MAX, 64, drafting_tps=3000, plain_tps=2000)  # the lift holds
+    run_cycles(guard, 8 * g.MIN_SAMPLES + g.REFRESH_NEAR, 64, drafting_tps=1500, plain_tps=2000)
+    assert b.vetoed and b.probe_every == g.PROBE_EVERY
 
 
 def test_a_veto_lifts_when_probes_measure_faster_and_buckets_are_independent() -> None:
