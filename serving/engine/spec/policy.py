@@ -10,12 +10,11 @@ alpha, k drafts yield (1 - alpha^(k+1)) / (1 - alpha) tokens in expectation. For
 
 and takes the best. A sequence that speculates also costs the engine work outside both forwards: its
 proposal (an n-gram lookup, a draft's block bookkeeping) and its verification's bookkeeping. That is fitted
-too, as seconds per speculating sequence, and charged once per sequence given a first draft position (at 64
-n-gram sequences all at k = 1, steps ran at 1.00x spec-off's tokens per second where the two lines alone
-predicted ~+10 %: the lookups and bookkeeping were ~19 us a sequence against a verify token's 120 us). At low
-load the step is overhead-bound (a dominates), verifying k extra tokens is
-nearly free and speculation wins; as the batch fills, b * tokens dominates, extra verify tokens cost
-as much as they earn and k falls to 0, so speculation never costs throughput.
+too, as seconds per speculating sequence, and charged once per sequence given a first draft position: at high
+load the lookups and bookkeeping of many speculating sequences are a real share of what their verify tokens
+cost, and the two forward lines alone overrate speculation there. At low load the step is overhead-bound
+(a dominates), verifying k extra tokens is nearly free and speculation wins; as the batch fills, b * tokens
+dominates, extra verify tokens cost as much as they earn and k falls to 0.
 """
 
 from __future__ import annotations
@@ -32,12 +31,11 @@ class LinearCost:
     slow observation.
 
     Once the fit has a few points, an observation is clipped to 3 typical misses of the line (an exponentially
-    averaged absolute residual) before it enters the sums. Unclipped, one slow step set the slope by itself: the
-    first verify step of a batch, run right after the benchmark's other engines had the CPU's caches, took 11.1
-    ms for 36 tokens where the line said 6.1 (37.9 for 96 against 13.6), the steps after it all had the same x,
-    and a line through two clusters ignores their weights. The slope stayed at ~3x its value (0.35 ms a token
-    at 4 sequences) and nothing drafted for the rest of the run. A real change of cost still comes through:
-    each clipped miss widens the limit by up to 20 %."""
+    averaged absolute residual) before it enters the sums. Unclipped, one slow step can set the slope by itself
+    (a batch's first verify step, run right after another process had the CPU's caches, at several times the
+    line): the steps after it share one x, a line through two clusters ignores their weights, the slope stays
+    high and nothing drafts for the rest of the run. A real change of cost still comes through: each clipped
+    miss widens the limit by up to 20 %."""
 
     intercept: float
     slope: float
@@ -183,9 +181,8 @@ class SpeculationPolicy:
 
         num_decodes: sequences decoding this step (candidates included). Rates are those of the decode part of
         the step, target_cost(num_decodes + verify tokens): prefill chunks sharing the step cost the same
-        whatever is chosen. Counted in, a step carrying a 500-token chunk made verify tokens look nearly free
-        next to the emitted tokens: at 64 sequences 57 of them drafted 7 each while the rest still prefilled
-        (0.79-0.97x spec-off over four such runs);
+        whatever is chosen. Counted in, a step carrying a long prefill chunk makes verify tokens look nearly
+        free next to the emitted tokens, and a batch's decoding sequences draft deep while the rest prefill;
         catch_up: req_id -> draft tokens to charge before it can draft for it (1 when up to date; the
         caller may amortise a long catch-up over the request's remaining steps).
 
@@ -257,12 +254,9 @@ class SpeculationPolicy:
         `rate`; for draft models (an n-gram lookup has no forward to share). Position by position, each position
         must pay for itself: a draft forward's fixed cost and each sequence's own overhead fall on the first
         positions, whose gain alone does not cover them, while deep positions of likely requests would (draft
-        acceptance rises with depth). Measured at 16 sequences of the demo pair, one process: the position-by-
-        position choice (1.5 drafts a sequence) ran at 0.88-0.93x spec-off where every sequence at k = 6 ran at
-        1.14-1.22x, and with this plan weighed too 0.98-1.04x. In `bench spec`'s closed batches it did not lift
-        c=16 (0.87-0.99x over eleven runs on one host): there a batch's first verifications pulled every estimate
-        below the bar, which early drafts' own population (observe_verifications) has since addressed; on the
-        host that showed it this is not re-measured (docs/benchmarks/log.md)."""
+        acceptance rises with depth). At a few dozen sequences the position-by-position choice alone stops after
+        a position or two, where every sequence drafting a shared deeper k pays for the forwards; this plan lets
+        that choice win where it does (the runs: docs/benchmarks/log.md)."""
         # plans as a [k, m] grid: row k - 1 has every candidate drafting min(k, its cap), summed over the first m
         alpha = np.array([alphas[r] for r in order])
         caps = np.array([candidates[r] for r in order])
@@ -368,14 +362,12 @@ class SpeculationPolicy:
         """One step's verifications, (req_id, accepted, drafted, early) each; early: drafted before the request had
         EARLY_OUTPUTS output tokens.
 
-        Early drafts are their own population. The first token after a prompt is the hardest to guess: over 40
-        held-out code prompts of the demo pair the draft agreed with the target's greedy token at output position
-        0 in 68 % of cases, at position 1 (a first draft's first) in 75 %, from position 2 on in 86-89 %, and 5 of
-        16 first verifications at k = 3 were rejected at once. Counted with the rest, the 57 first verifications
-        of a 64-sequence batch, all in one step, turned the global estimate from 0.97 to 0.63-0.67, every request
-        then looked too poor to draft, and the batch ran to its end at k = 0 (0.90-0.95x spec-off, where drafting
-        ran at 1.03-1.12x). They also sat in each request's own history and held it down for the whole request.
-        So they are tracked apart (early_rate), and leave the global, long-run and per-request estimates alone.
+        Early drafts are their own population. The first tokens after a prompt are the hardest to guess: a draft
+        agrees with the target far less often at output positions 0 and 1 than from position 2 on. A batch that
+        starts together verifies its first drafts in one step; counted with the rest, they pull the global
+        estimate down until every request looks too poor to draft and the batch runs to its end at k = 0, and
+        they hold each request's own history down for the whole request. So they are tracked apart (early_rate),
+        and leave the global, long-run and per-request estimates alone.
 
         The recent global estimate fades once per step, not once per verification: faded per verification, one
         step of 57 sequences weighed everything before it by 0.95^57 = 0.05. The long-run anchor counts

@@ -115,14 +115,13 @@ class Speculator:
     def _catch_up(self, req: Request, lag: int, alone: bool) -> float:
         """Draft tokens to charge before the draft can draft for req. The first catch-up (the prompt) is
         amortized over the request. A request that drafted before and then sat out steps pays its whole lag
-        now: amortizing that every step let the policy resume a changing few requests at 64 sequences, each
-        resumption a catch-up, and the engine ran at 0.88x spec-off where always k = 0 ran at 1.00x and always
-        k = 4 at 0.98x. But charged its whole lag for good, a request set to k = 0 could never resume: its lag
-        grows a token a step, and its exploration probe waits for a small catch-up. One early rejection, or a
-        cost fit still carrying a busier load, then left c=1 requests at ~500 instead of ~1,500 tokens/s and
-        whole 4-sequence runs without speculation after their first step. So the amortized charge comes back
-        for a request that is the only candidate (it has nobody to churn with) and for one that has sat out the
-        policy's exploration interval (one resumption per interval at most)."""
+        now: amortized every step, the policy resumes a changing few requests at high load, each resumption a
+        catch-up, and the engine runs below both always-k = 0 and always-k > 0. But charged its whole lag for
+        good, a request set to k = 0 could never resume: its lag grows a token a step, and its exploration probe
+        waits for a small catch-up, so one early rejection or a cost fit still carrying a busier load would
+        leave a lone request without speculation. So the amortized charge comes back for a request that is the
+        only candidate (it has nobody to churn with) and for one that has sat out the policy's exploration
+        interval (one resumption per interval at most)."""
         if req.request_id in self._drafted and not alone and not self.policy.rested(req.request_id):
             return float(lag)
         return amortized_catch_up(lag, req)
