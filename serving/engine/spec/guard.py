@@ -39,7 +39,10 @@ from dataclasses import dataclass, field
 log = logging.getLogger(__name__)
 
 MIN_SAMPLES = 6  # cycles of each kind before the bucket's rates are compared
-VETO_BELOW, LIFT_AT = 0.98, 1.02  # drafting ÷ plain tokens/s that turns a bucket off, and that turns it back on
+# drafting ÷ plain tokens/s that turns a bucket off, and that turns it back on: drafting has to stay ahead by a
+# margin, since near a tie the rates' noise (several per cent a cycle under load) decides, and a bucket left on by
+# noise pays for speculation where a bucket turned off by it forgoes at most the margin
+VETO_BELOW, LIFT_AT = 1.03, 1.08
 DECAY = 0.98  # per observed cycle of the kind: about the last fifty count
 FAR_AHEAD = 1.25  # drafting this much faster: plain cycles refreshed every REFRESH_FAR cycles...
 REFRESH_NEAR, REFRESH_FAR = 48, 400  # ...else every REFRESH_NEAR
