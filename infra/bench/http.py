@@ -39,6 +39,7 @@ import httpx
 import yaml
 
 from infra.runtime.process import ServerProcess
+from infra.validation import prom
 from serving.metric_names import GENERATION_TOKENS
 from serving.net import free_port
 
@@ -246,9 +247,6 @@ async def _complete(client: httpx.AsyncClient, base: str, prompt: str, output_le
     return seconds, int(payload["usage"]["completion_tokens"]), str(payload["choices"][0]["text"])
 
 
-_GENERATED = re.compile(rf"^{GENERATION_TOKENS}_total (\S+)$", re.MULTILINE)
-
-
 async def generated_tokens(client: httpx.AsyncClient, base: str) -> tuple[float, float]:
     """(when, the server's generation counter then): `when` is the middle of the /metrics round trip."""
     sent = time.perf_counter()
@@ -256,10 +254,10 @@ async def generated_tokens(client: httpx.AsyncClient, base: str) -> tuple[float,
     when = (sent + time.perf_counter()) / 2
     if response.status_code != 200:
         raise RuntimeError(f"{base}/metrics: HTTP {response.status_code}: {response.text[:300]}")
-    found = _GENERATED.search(response.text)
-    if found is None:
+    generated = prom.value(prom.parse(response.text), f"{GENERATION_TOKENS}_total")
+    if generated is None:
         raise RuntimeError(f"{base}/metrics has no {GENERATION_TOKENS}_total series")
-    return when, float(found.group(1))
+    return when, generated
 
 
 async def _closed_loop(client: httpx.AsyncClient, base: str, prompts: Sequence[str], concurrency: int,

@@ -63,6 +63,19 @@ def test_where_drafting_loses_the_bucket_is_vetoed_and_its_probes_back_off() -> 
     assert guard.buckets[bucket(64)].vetoed and guard.vetoes_total == 1
 
 
+def test_a_tie_turns_drafting_off_and_only_a_clear_lead_turns_it_back_on() -> None:
+    """Drafting 1 % ahead of plain is a tie within the cycles' noise: vetoed. A probe 5 % ahead leaves the veto on;
+    one 10 % ahead lifts it."""
+    guard = SpeculationGuard()
+    run_cycles(guard, 8 * g.MIN_SAMPLES, 16, drafting_tps=2020, plain_tps=2000)
+    b = guard.buckets[bucket(16)]
+    assert b.vetoed
+    run_cycles(guard, 4 * g.PROBE_EVERY, 16, drafting_tps=2100, plain_tps=2000)
+    assert b.vetoed
+    run_cycles(guard, 2 * g.PROBE_EVERY_MAX, 16, drafting_tps=2200, plain_tps=2000)
+    assert not b.vetoed
+
+
 def test_a_lift_that_does_not_hold_backs_off_and_one_that_held_starts_afresh() -> None:
     """A veto soon after a lift (a probe read well by chance) doubles the probe interval; a veto after a lift
     that held for PROBE_EVERY_MAX cycles (the load changed) starts from PROBE_EVERY again."""
