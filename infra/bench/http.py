@@ -10,13 +10,18 @@ Two runs:
 - the plain config (default): a spec-off and a spec-on server (method draft, the two model paths), up together
   and never loaded together. At c = 1 each held-out code prompt goes to one, then the other (the order swaps
   every round): tokens/s on ÷ off, P99 latency on ÷ off, and whether the greedy texts are identical. At
-  c > 1, closed loops of `c` workers over max(2c, 32) requests, off and on alternately: tokens/s under the load
-  of c requests at once (each phase's drain left out: Phase), with the whole phases' figures beside them.
+  c > 1, rounds of closed loops of `c` workers over max(2c, 32) requests, an off and an on phase back to back
+  in each: tokens/s under the load of c requests at once (each phase's drain left out: Phase), pooled over the
+  rounds, with a 90 % interval from the rounds' paired ratios and the whole phases' figures beside them.
   With --threads-check, spec-off servers with every thread count 1..cores set explicitly give the c = 1
   figure the `auto` choice is held against.
 - the load-safety matrix (--matrix): for each dtype, one spec-off server and, one at a time, a spec-on server
   per proposer configuration (draft: k x token map auto / none; n-gram: k), each measured against the spec-off
-  server back to back at every concurrency.
+  server back to back at every concurrency. Its first row is a control: a second spec-off server, started fresh
+  as each row's server is, measured the same way. It reads what the method does where the two servers do not
+  differ: on this 2-core host two spec-off servers have read up to 5 % apart at one concurrency (a server's
+  memory layout, where its threads land), over rounds that put a tight interval on the difference. A row's
+  cell within that distance of 1 is not told apart from it by one run.
 
 Figures are ratios of the same run; the machine's noise (other processes) lands on both sides of a pair.
 """
@@ -26,8 +31,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import re
+import statistics
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -70,10 +77,14 @@ class Pair:
     on_p99_s: float = 0.0
     identical: int | None = None  # greedy texts identical on vs off, of `compared`
     compared: int | None = None
-    # c > 1: the tokens/s above are each side's steady state (Phase); these are the same phases' whole runs, drain
-    # included
+    # c > 1: the tokens/s above pool the steady windows (Phase) of every measured phase of each side; these pool
+    # the same phases whole, drains included
     off_phase_tokens_per_s: float | None = None
     on_phase_tokens_per_s: float | None = None
+    # c > 1: each measured phase's steady tokens/s in the order run, round by round (round r: off_rounds[r] and
+    # on_rounds[r], back to back)
+    off_rounds: list[float] = field(default_factory=list)
+    on_rounds: list[float] = field(default_factory=list)
 
     @property
     def ratio(self) -> float:
@@ -87,20 +98,47 @@ class Pair:
         return self.on_phase_tokens_per_s / self.off_phase_tokens_per_s
 
     @property
+    def interval(self) -> tuple[float, float] | None:
+        """90 % confidence interval of on ÷ off from the rounds' paired ratios (c > 1, two rounds at least)."""
+        return ratio_interval(self.off_rounds, self.on_rounds)
+
+    @property
     def p99_ratio(self) -> float:
         return self.on_p99_s / self.off_p99_s if self.off_p99_s else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        phase_ratio = self.phase_ratio
+        phase_ratio, interval = self.phase_ratio, self.interval
         return {**asdict(self), "ratio": round(self.ratio, 4), "p99_ratio": round(self.p99_ratio, 4),
-                "phase_ratio": round(phase_ratio, 4) if phase_ratio is not None else None}
+                "phase_ratio": round(phase_ratio, 4) if phase_ratio is not None else None,
+                "interval": [round(v, 4) for v in interval] if interval is not None else None}
+
+
+# Student's t at 95 % one-sided (a 90 % two-sided interval) by degrees of freedom; past the table, 1.7 and then
+# the normal quantile are within 2 % of it
+_T95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833, 10: 1.812,
+        11: 1.796, 12: 1.782, 13: 1.771, 14: 1.761, 15: 1.753}
+
+
+def ratio_interval(off: Sequence[float], on: Sequence[float]) -> tuple[float, float] | None:
+    """A 90 % confidence interval of on ÷ off from paired rounds: the mean of log(on_r ÷ off_r) ± t x its
+    standard error, back on the ratio scale. Pairing matters on a shared host: its speed moves by several per
+    cent over seconds (a one-thread matmul loop timed in 2 s windows here reads ±10 %), and a round's two
+    phases, back to back, see much the same host."""
+    logs = [math.log(b / a) for a, b in zip(off, on, strict=True) if a > 0 and b > 0]
+    if len(logs) < 2:
+        return None
+    df = len(logs) - 1
+    t = _T95.get(df, 1.7 if df <= 30 else 1.645)
+    half = t * statistics.stdev(logs) / math.sqrt(len(logs))
+    mean = statistics.fmean(logs)
+    return math.exp(mean - half), math.exp(mean + half)
 
 
 @dataclass
 class Phase:
     """One closed-loop phase of `requests` requests by `concurrency` workers.
 
-    steady_tokens_per_s: the tokens the server generated (its generation counter on /metrics) from the phase's
+    The steady window: the tokens the server generated (its generation counter on /metrics) from the phase's
     start until its last request was sent, over that time: the load of `concurrency` requests at once, each
     worker sending its next request as its last one returns. After that the phase drains: its last requests
     run with fewer and fewer beside them, and how long that lasts depends on how far the requests' ends have
@@ -108,12 +146,22 @@ class Phase:
     all) and spread with it (the draft guesses some prompts better than others), so a drain charges the spec-on
     side alone. A service under steady load never drains; the steady window leaves it out for both sides alike.
 
-    tokens_per_s: the whole phase, drain included.
+    tokens and seconds: the whole phase, drain included.
     """
 
-    steady_tokens_per_s: float
-    tokens_per_s: float
+    steady_tokens: float
+    steady_seconds: float
+    tokens: int
+    seconds: float
     latencies: list[float]
+
+    @property
+    def steady_tokens_per_s(self) -> float:
+        return self.steady_tokens / self.steady_seconds if self.steady_seconds > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 @dataclass
@@ -121,9 +169,11 @@ class VariantResult:
     variant: Variant
     decisions: str  # the spec-on server's start-up decisions line
     pairs: list[Pair] = field(default_factory=list)
+    # a spec-off server measured as a row is (the matrix's control): what the method reads where nothing differs
+    control: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {"variant": asdict(self.variant), "decisions": self.decisions,
+        return {"variant": asdict(self.variant), "decisions": self.decisions, "control": self.control,
                 "pairs": [p.to_dict() for p in self.pairs]}
 
 
@@ -134,6 +184,7 @@ class HttpBenchReport:
     output_len: int
     prompts: int
     base_config: dict[str, Any]  # what every server's config file holds besides the variant's keys
+    repeats: int = 1  # c = 1: rounds over the prompts; c > 1: rounds of an off and an on phase
     off_decisions: dict[str, str] = field(default_factory=dict)  # dtype -> the spec-off server's decisions line
     results: list[VariantResult] = field(default_factory=list)
     # spec-off c=1 tokens/s with num_threads auto ÷ with each explicit count, paired request by request
@@ -146,7 +197,7 @@ class HttpBenchReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"target": self.target, "draft": self.draft, "output_len": self.output_len, "prompts": self.prompts,
-                "base_config": self.base_config, "off_decisions": self.off_decisions,
+                "repeats": self.repeats, "base_config": self.base_config, "off_decisions": self.off_decisions,
                 "results": [r.to_dict() for r in self.results],
                 "threads_c1_ratio": self.threads_c1_ratio, "threads_ratio": self.threads_ratio,
                 "goals": GOALS}
@@ -282,11 +333,13 @@ async def _closed_loop(client: httpx.AsyncClient, base: str, prompts: Sequence[s
     window_start = await generated_tokens(client, base) if requests > concurrency else None
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    whole = tokens / (time.perf_counter() - started)
+    seconds = time.perf_counter() - started
     if window_start is None or window_end is None:
-        return Phase(whole, whole, latencies)
+        return Phase(tokens, seconds, tokens, seconds, latencies)
     (t0, n0), (t1, n1) = window_start, await window_end
-    return Phase((n1 - n0) / (t1 - t0) if t1 > t0 else whole, whole, latencies)
+    if t1 <= t0:
+        return Phase(tokens, seconds, tokens, seconds, latencies)
+    return Phase(n1 - n0, t1 - t0, tokens, seconds, latencies)
 
 
 def p99(values: Sequence[float]) -> float:
@@ -316,16 +369,21 @@ async def measure_c1(off: str, on: str, prompts: Sequence[str], output_len: int,
 
 async def measure_loaded(off: str, on: str, prompts: Sequence[str], concurrency: int, output_len: int,
                          repeats: int) -> Pair:
-    """Closed loops of `concurrency` over max(2 x concurrency, MIN_PHASE_REQUESTS) requests, off and on
-    alternately; the best of each by its steady tokens/s (Phase), which the pair's ratio compares. The same
-    phases' whole figures, drain included, are kept beside them. MIN_PHASE_REQUESTS keeps a steady window of
-    several waves at low concurrency, where 2c requests would give it one.
+    """`repeats` rounds of closed loops of `concurrency` over max(2 x concurrency, MIN_PHASE_REQUESTS) requests:
+    in each round an off and an on phase back to back, the order swapped every round. Each side's figure pools
+    its phases' steady windows (Phase): their tokens over their seconds. The same phases' whole figures, drains
+    included, and each phase's steady figure (Pair.off_rounds, on_rounds: the rounds' paired ratios give the
+    interval) are kept beside them; the P99 is over every measured request of the side. MIN_PHASE_REQUESTS
+    keeps a steady window of several waves at low concurrency, where 2c requests would give it one.
+
+    The phases are pooled, not the best of each side taken: this host's speed moves by ±10 % over seconds, both
+    ways, so a side's best phase is as much its luck as its speed, and only more phases narrow it.
 
     Each server first runs one unmeasured phase at this concurrency: a server's first phase at a new load ran
     10-25 % below its later ones (first-touch of KV cache pages, allocator growth, the adaptive policy's and the
     guard's first samples), and in the matrix the spec-off server, shared by every row, was warm where each new
     spec-on server was not."""
-    best: dict[str, Phase] = {}
+    phases: dict[str, list[Phase]] = {off: [], on: []}
 
     async def phase(base: str, requests: int) -> Phase:
         # a client per phase: a server closes connections idle past its keep-alive while the other phase runs
@@ -336,19 +394,25 @@ async def measure_loaded(off: str, on: str, prompts: Sequence[str], concurrency:
         await phase(base, concurrency)
     for round_ in range(repeats):
         for base in ((off, on) if round_ % 2 == 0 else (on, off)):
-            measured = await phase(base, max(2 * concurrency, MIN_PHASE_REQUESTS))
-            if base not in best or measured.steady_tokens_per_s > best[base].steady_tokens_per_s:
-                best[base] = measured
-    return Pair(concurrency, best[off].steady_tokens_per_s, best[on].steady_tokens_per_s,
-                p99(best[off].latencies), p99(best[on].latencies),
-                off_phase_tokens_per_s=best[off].tokens_per_s, on_phase_tokens_per_s=best[on].tokens_per_s)
+            phases[base].append(await phase(base, max(2 * concurrency, MIN_PHASE_REQUESTS)))
+
+    def pooled(side: list[Phase], steady: bool) -> float:
+        tokens = sum(p.steady_tokens if steady else p.tokens for p in side)
+        seconds = sum(p.steady_seconds if steady else p.seconds for p in side)
+        return tokens / seconds if seconds > 0 else 0.0
+
+    return Pair(concurrency, pooled(phases[off], True), pooled(phases[on], True),
+                p99([s for p in phases[off] for s in p.latencies]), p99([s for p in phases[on] for s in p.latencies]),
+                off_phase_tokens_per_s=pooled(phases[off], False), on_phase_tokens_per_s=pooled(phases[on], False),
+                off_rounds=[p.steady_tokens_per_s for p in phases[off]],
+                on_rounds=[p.steady_tokens_per_s for p in phases[on]])
 
 
 def run_plain(target: Path, draft: Path, concurrency: Sequence[int], output_len: int, num_prompts: int,
               repeats: int, threads_check: bool, workdir: Path, say: Any = print) -> HttpBenchReport:
     prompts = held_out_prompts(num_prompts)
     report = HttpBenchReport(str(target), str(draft), output_len, num_prompts,
-                             server_config(target, draft, Variant("base"), 0, output_len))
+                             server_config(target, draft, Variant("base"), 0, output_len), repeats)
     target, draft = published(target, workdir, "target"), published(draft, workdir, "draft")
     off_variant, on_variant = Variant("off"), plain_variant()
     with serving(workdir, target, draft, off_variant, output_len) as (off, off_decisions), \
@@ -384,19 +448,21 @@ def run_matrix(target: Path, draft: Path, concurrency: Sequence[int], output_len
     """only: run just the variants whose name (e.g. "draft k=12 map=none dtype=fp32") contains one of these."""
     prompts = held_out_prompts(num_prompts)
     report = HttpBenchReport(str(target), str(draft), output_len, num_prompts,
-                             server_config(target, draft, Variant("base"), 0, output_len))
+                             server_config(target, draft, Variant("base"), 0, output_len), repeats)
     target, draft = published(target, workdir, "target"), published(draft, workdir, "draft")
     for dtype in dtypes:
         model = {} if dtype == "auto" else {"dtype": dtype}
         with serving(workdir, target, draft, Variant(f"off {dtype}", model=model), output_len) as (off, decisions):
             report.off_decisions[dtype] = decisions
-            for variant in matrix_variants(ks):
-                variant = Variant(f"{variant.name} dtype={dtype}", model=model, speculative=variant.speculative)
-                if only and not any(part in variant.name for part in only):
-                    continue
+            rows = [Variant(f"{v.name} dtype={dtype}", model=model, speculative=v.speculative)
+                    for v in matrix_variants(ks)]
+            rows = [v for v in rows if not only or any(part in v.name for part in only)]
+            # the control: a second spec-off server, fresh as each row's is, measured as the rows are
+            for variant, control in [(Variant(f"control: spec off dtype={dtype}", model=model), True)] + \
+                    [(v, False) for v in rows]:
                 say(f"{variant.name} ...")
                 with serving(workdir, target, draft, variant, output_len) as (on, on_decisions):
-                    result = VariantResult(variant, on_decisions)
+                    result = VariantResult(variant, on_decisions, control=control)
                     for c in concurrency:
                         result.pairs.append(asyncio.run(measure_loaded(off.endpoint, on.endpoint, prompts, c,
                                                                        output_len, repeats)))
@@ -412,15 +478,23 @@ def scratch_dir(keep: Path | None) -> contextlib.AbstractContextManager[str]:
 
 
 def summary(report: HttpBenchReport) -> dict[str, Any]:
-    """The figures the goals are checked against: the worst loaded ratio, and the plain config's c=1 ones."""
-    loaded = [p.ratio for r in report.results for p in r.pairs if p.concurrency > 1]
-    c1 = [p for r in report.results for p in r.pairs if p.concurrency == 1]
-    out: dict[str, Any] = {"worst_loaded_ratio": round(min(loaded), 4) if loaded else None}
+    """The figures the goals are checked against: the worst loaded ratio and how many loaded cells meet the goal,
+    and the plain config's c=1 ones; and the control rows' ratios, which read what the method does where the two
+    servers do not differ."""
+    loaded = [p for r in report.results if not r.control for p in r.pairs if p.concurrency > 1]
+    c1 = [p for r in report.results if not r.control for p in r.pairs if p.concurrency == 1]
+    out: dict[str, Any] = {"worst_loaded_ratio": round(min(p.ratio for p in loaded), 4) if loaded else None}
+    if loaded:
+        out["loaded_at_goal"] = f"{sum(p.ratio >= GOALS['loaded_ratio'] for p in loaded)}/{len(loaded)}"
     if c1:
         out.update(c1_speedup=round(c1[0].ratio, 4), c1_p99_ratio=round(c1[0].p99_ratio, 4),
                    identical=f"{c1[0].identical}/{c1[0].compared}")
     if report.threads_ratio is not None:
         out["threads_ratio"] = round(report.threads_ratio, 4)
+    controls = {f"{r.variant.name} c={p.concurrency}": round(p.ratio, 4)
+                for r in report.results if r.control for p in r.pairs}
+    if controls:
+        out["control_ratios"] = controls
     return out
 
 

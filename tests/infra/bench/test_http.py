@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,9 +58,42 @@ def test_the_summary_reports_the_worst_loaded_ratio_and_the_c1_figures() -> None
     report.results.append(VariantResult(Variant("b"), "y", [Pair(64, 2000.0, 1900.0)]))
     report.threads_c1_ratio = {1: 1.0, 2: 1.4}
     summary = http.summary(report)
-    assert summary == {"worst_loaded_ratio": 0.95, "c1_speedup": 2.5, "c1_p99_ratio": 0.45, "identical": "8/8",
-                       "threads_ratio": 1.0}
+    assert summary == {"worst_loaded_ratio": 0.95, "loaded_at_goal": "1/2", "c1_speedup": 2.5, "c1_p99_ratio": 0.45,
+                       "identical": "8/8", "threads_ratio": 1.0}
     assert json.loads(http.dumps(report))["summary"] == summary
+
+
+def test_the_matrix_measures_a_control_first_and_the_summary_keeps_it_apart(monkeypatch: pytest.MonkeyPatch,
+                                                                           tmp_path: Path) -> None:
+    """Each dtype's first row is a second spec-off server measured as the rows are; its ratios are reported as
+    the control's and never count as a row's (here it reads 0.94, the one row 0.99)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    started: list[Variant] = []
+
+    @contextlib.contextmanager
+    def fake_serving(workdir: Path, target: Path, draft: Path, variant: Variant, output_len: int) -> Any:
+        started.append(variant)
+        yield SimpleNamespace(endpoint=variant.name), f"decisions of {variant.name}"
+
+    async def fake_measure(off: str, on: str, prompts: object, c: int, output_len: int, repeats: int) -> Pair:
+        return Pair(c, 100.0, 94.0 if on.startswith("control") else 99.0)
+
+    monkeypatch.setattr(http, "serving", fake_serving)
+    monkeypatch.setattr(http, "measure_loaded", fake_measure)
+    monkeypatch.setattr(http, "published", lambda model_dir, workdir, name: model_dir)
+    report = http.run_matrix(Path("/t"), Path("/d"), [16, 64], 96, 8, 2, ["fp32"], [4], tmp_path,
+                             say=lambda _: None, only=["ngram"])
+    assert [v.name for v in started] == ["off fp32", "control: spec off dtype=fp32", "ngram k=4 dtype=fp32"]
+    control, row = report.results
+    assert control.control and not row.control
+    assert control.variant.speculative == {} and control.variant.model == {"dtype": "fp32"}
+    summary = http.summary(report)
+    assert summary["worst_loaded_ratio"] == 0.99 and summary["loaded_at_goal"] == "2/2"
+    assert summary["control_ratios"] == {"control: spec off dtype=fp32 c=16": 0.94,
+                                         "control: spec off dtype=fp32 c=64": 0.94}
+    assert json.loads(http.dumps(report))["results"][0]["control"] is True
 
 
 @pytest.mark.slow
@@ -69,7 +103,7 @@ def test_the_plain_run_measures_both_servers_through_http(tmp_path: Path) -> Non
     from serving.demo import draft_path, target_path
 
     lines: list[str] = []
-    report = http.run_plain(target_path(), draft_path(), [1, 2], 12, 2, 1, False, tmp_path, lines.append)
+    report = http.run_plain(target_path(), draft_path(), [1, 2], 12, 2, 2, False, tmp_path, lines.append)
     (result,) = report.results
     assert [p.concurrency for p in result.pairs] == [1, 2]
     c1 = result.pairs[0]
@@ -77,32 +111,54 @@ def test_the_plain_run_measures_both_servers_through_http(tmp_path: Path) -> Non
     assert all(p.off_tokens_per_s > 0 and p.on_tokens_per_s > 0 for p in result.pairs)
     loaded = result.pairs[1]  # c=2: steady figures from the servers' generation counters, whole phases beside
     assert loaded.off_phase_tokens_per_s and loaded.on_phase_tokens_per_s and loaded.phase_ratio
+    assert len(loaded.off_rounds) == len(loaded.on_rounds) == 2 and loaded.interval is not None
     assert "speculative.draft_token_map token_map.json (auto: token_map.json, listed in the draft's manifest.json)" \
         in result.decisions
     assert "model.dtype float32 (auto" in report.off_decisions["default"]
 
 
-def test_a_loaded_pair_warms_each_server_first_and_leaves_the_warm_up_out(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One unmeasured phase per server at the pair's concurrency, then alternating measured phases of 2c (at
-    least MIN_PHASE_REQUESTS): a fast (or slow) warm-up phase never becomes a side's best."""
+def test_a_loaded_pair_warms_each_server_first_and_pools_its_measured_phases(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One unmeasured phase per server at the pair's concurrency, then rounds of an off and an on phase of 2c (at
+    least MIN_PHASE_REQUESTS), the order swapped every round. Each side pools its measured phases' steady windows
+    (tokens over seconds), so neither a fast warm-up nor one lucky phase decides; each phase's figure is kept."""
     import asyncio
 
     calls: list[tuple[str, int]] = []
-    rates = {("off", 4): 9_999.0, ("on", 4): 9_999.0, ("off", 32): 100.0, ("on", 32): 120.0}
+    # (steady tokens, steady seconds) of each measured phase in turn; the warm-ups read 10x faster
+    measured = {"off": [(100.0, 1.0), (300.0, 2.0)], "on": [(240.0, 1.0), (120.0, 1.0)]}
 
     async def phase(client: object, base: str, prompts: object, concurrency: int, requests: int,
                     output_len: int) -> Phase:
         assert concurrency == 4
         calls.append((base, requests))
-        steady = rates[(base, requests)] + len(calls)
-        return Phase(steady, steady / 2, [0.1 * len(calls)])
+        if requests == 4:
+            return Phase(1000.0, 1.0, 1000, 1.0, [9.0])
+        tokens, seconds = measured[base].pop(0)
+        return Phase(tokens, seconds, int(tokens), 2 * seconds, [0.1 * len(calls)])
 
     monkeypatch.setattr(http, "_closed_loop", phase)
     pair = asyncio.run(http.measure_loaded("off", "on", ["p"], 4, 16, 2))
     assert calls == [("off", 4), ("on", 4), ("off", 32), ("on", 32), ("on", 32), ("off", 32)]
-    assert (pair.off_tokens_per_s, pair.on_tokens_per_s) == (106.0, 125.0)  # the best measured phase of each
-    assert (pair.off_phase_tokens_per_s, pair.on_phase_tokens_per_s) == (53.0, 62.5)  # the same phases, whole
-    assert (pair.off_p99_s, pair.on_p99_s) == (pytest.approx(0.6), pytest.approx(0.5))
+    # off: 400 tokens in 3 s; on: 360 in 2 s (the best phases alone would read 240 ÷ 150 = 1.6)
+    assert pair.off_tokens_per_s == pytest.approx(400 / 3) and pair.on_tokens_per_s == pytest.approx(180.0)
+    assert pair.ratio == pytest.approx(1.35)
+    assert (pair.off_phase_tokens_per_s, pair.on_phase_tokens_per_s) == (pytest.approx(400 / 6), 90.0)
+    assert pair.off_rounds == [100.0, 150.0] and pair.on_rounds == [240.0, 120.0]
+    assert (pair.off_p99_s, pair.on_p99_s) == (pytest.approx(0.6), pytest.approx(0.5))  # warm-ups left out
+    low, high = pair.interval
+    assert low < 0.8 < 2.4 < high  # the rounds read 2.4 and 0.8: two rounds that disagree say little
+
+
+def test_the_interval_comes_from_the_rounds_paired_ratios() -> None:
+    """Rounds whose host speed moves (both sides alike) but whose ratio does not give a tight interval; the
+    same phases unpaired would not. One round gives none."""
+    off = [1000.0, 1200.0, 900.0, 1100.0, 1000.0]
+    low, high = http.ratio_interval(off, [1.02 * v for v in off])
+    assert low == pytest.approx(1.02) and high == pytest.approx(1.02)
+    low, high = http.ratio_interval(off, [v * r for v, r in zip(off, (1.0, 1.04, 0.98, 1.03, 0.99), strict=True)])
+    assert 0.98 < low < 1.008 < high < 1.04
+    assert http.ratio_interval([1000.0], [990.0]) is None
+    assert Pair(16, 1.0, 1.0).interval is None
 
 
 def test_a_loaded_phase_is_2c_requests_and_never_under_the_minimum(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -115,7 +171,7 @@ def test_a_loaded_phase_is_2c_requests_and_never_under_the_minimum(monkeypatch: 
                     output_len: int) -> Phase:
         if requests != concurrency:  # not the warm-up
             sizes.setdefault(concurrency, set()).add(requests)
-        return Phase(1.0, 1.0, [0.1])
+        return Phase(1.0, 1.0, 1, 1.0, [0.1])
 
     monkeypatch.setattr(http, "_closed_loop", phase)
     for c in (4, 16, 64):
