@@ -19,9 +19,9 @@ Two runs:
   per proposer configuration (draft: k x token map auto / none; n-gram: k), each measured against the spec-off
   server back to back at every concurrency. Its first row is a control: a second spec-off server, started fresh
   as each row's server is, measured the same way. It reads what the method does where the two servers do not
-  differ: on this 2-core host two spec-off servers have read up to 5 % apart at one concurrency (a server's
-  memory layout, where its threads land), over rounds that put a tight interval on the difference. A row's
-  cell within that distance of 1 is not told apart from it by one run.
+  differ: two spec-off servers can read several per cent apart at one concurrency, over rounds that put a
+  tight interval on the difference (what is fixed for a server's life: its memory layout, where its threads
+  land), and a row's cell within that distance of 1 is not told apart from it by one run.
 
 Figures are ratios of the same run; the machine's noise (other processes) lands on both sides of a pair.
 """
@@ -114,7 +114,7 @@ class Pair:
 
 
 # Student's t at 95 % one-sided (a 90 % two-sided interval) by degrees of freedom; past the table, 1.7 and then
-# the normal quantile are within 2 % of it
+# the normal quantile are within 3 % of it
 _T95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833, 10: 1.812,
         11: 1.796, 12: 1.782, 13: 1.771, 14: 1.761, 15: 1.753}
 
@@ -122,8 +122,7 @@ _T95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8:
 def ratio_interval(off: Sequence[float], on: Sequence[float]) -> tuple[float, float] | None:
     """A 90 % confidence interval of on ÷ off from paired rounds: the mean of log(on_r ÷ off_r) ± t x its
     standard error, back on the ratio scale. Pairing matters on a shared host: its speed moves by several per
-    cent over seconds (a one-thread matmul loop timed in 2 s windows here reads ±10 %), and a round's two
-    phases, back to back, see much the same host."""
+    cent over seconds, and a round's two phases, back to back, see much the same host."""
     logs = [math.log(b / a) for a, b in zip(off, on, strict=True) if a > 0 and b > 0]
     if len(logs) < 2:
         return None
@@ -376,8 +375,8 @@ async def measure_loaded(off: str, on: str, prompts: Sequence[str], concurrency:
     interval) are kept beside them; the P99 is over every measured request of the side. MIN_PHASE_REQUESTS
     keeps a steady window of several waves at low concurrency, where 2c requests would give it one.
 
-    The phases are pooled, not the best of each side taken: this host's speed moves by ±10 % over seconds, both
-    ways, so a side's best phase is as much its luck as its speed, and only more phases narrow it.
+    The phases are pooled, not the best of each side taken: a shared host's speed moves by several per cent over
+    seconds, both ways, so a side's best phase is as much its luck as its speed, and only more phases narrow it.
 
     Each server first runs one unmeasured phase at this concurrency: a server's first phase at a new load ran
     10-25 % below its later ones (first-touch of KV cache pages, allocator growth, the adaptive policy's and the
