@@ -333,12 +333,12 @@ async def _closed_loop(client: httpx.AsyncClient, base: str, prompts: Sequence[s
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     seconds = time.perf_counter() - started
-    if window_start is None or window_end is None:
-        return Phase(tokens, seconds, tokens, seconds, latencies)
-    (t0, n0), (t1, n1) = window_start, await window_end
-    if t1 <= t0:
-        return Phase(tokens, seconds, tokens, seconds, latencies)
-    return Phase(n1 - n0, t1 - t0, tokens, seconds, latencies)
+    steady: tuple[float, float] = (tokens, seconds)  # no steady window: the whole phase
+    if window_start is not None and window_end is not None:
+        (t0, n0), (t1, n1) = window_start, await window_end
+        if t1 > t0:
+            steady = (n1 - n0, t1 - t0)
+    return Phase(*steady, tokens, seconds, latencies)
 
 
 def p99(values: Sequence[float]) -> float:
