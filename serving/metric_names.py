@@ -16,6 +16,13 @@ STEP_FAILURES = f"{PREFIX}_engine_step_failures"  # steps that raised; their req
 SPEC_DRAFTS = f"{PREFIX}_spec_drafts"  # verify steps that carried at least one draft token
 SPEC_DRAFT_TOKENS = f"{PREFIX}_spec_draft_tokens"
 SPEC_ACCEPTED_TOKENS = f"{PREFIX}_spec_accepted_tokens"
+# the adaptive guard's decoding steps (zero with a fixed k): all it decided; of them, those run without drafts because
+# drafting measured slower at that load, and those run without drafts to measure plain decoding; and the times a
+# load turned speculation off
+SPEC_GUARD_CYCLES = f"{PREFIX}_spec_guard_cycles"
+SPEC_GUARD_VETOED_CYCLES = f"{PREFIX}_spec_guard_vetoed_cycles"
+SPEC_GUARD_PLAIN_CYCLES = f"{PREFIX}_spec_guard_plain_cycles"
+SPEC_GUARD_VETOES = f"{PREFIX}_spec_guard_vetoes"
 PREFIX_CACHE_QUERIES = f"{PREFIX}_prefix_cache_queries"  # prompt tokens looked up; hit rate = hits / queries
 PREFIX_CACHE_HITS = f"{PREFIX}_prefix_cache_hits"  # of which found in the prefix cache
 

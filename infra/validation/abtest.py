@@ -44,6 +44,12 @@ class ArmResult:
     phases: list[Phase] = field(default_factory=list)
     accepted_tokens: float = 0.0  # draft tokens accepted during the arm's phases (on arm only)
     draft_tokens: float = 0.0  # draft tokens proposed during the arm's phases
+    guard_cycles: float = 0.0  # decoding steps the speculation guard decided during the arm's phases
+    guard_vetoed_cycles: float = 0.0  # of which run without drafts: drafting measured slower at that load
+
+    def vetoed_share(self) -> float | None:
+        """Share of the guard's steps run without drafts by a veto; None where no guard decided any."""
+        return self.guard_vetoed_cycles / self.guard_cycles if self.guard_cycles else None
 
     def e2e(self) -> list[float]:
         return [r.e2e_s for p in self.phases for r in p.ok_records if r.e2e_s is not None]
@@ -114,6 +120,10 @@ def decide(prompt_set: str, concurrency: int, on: ArmResult, off: ArmResult,
         reason, verdict = f"{numbers}: throughput falls more than {rule.max_throughput_loss:.0%}", DISABLE
     else:
         reason, verdict = f"{numbers}: P99 drops clearly and throughput holds", ENABLE
+    vetoed = on.vetoed_share()
+    if vetoed is not None and vetoed >= 0.5:  # why the arms read alike: the on arm mostly ran plain
+        reason += (f"; the speculation guard ran {vetoed:.0%} of the on arm's decoding steps without drafts "
+                   "(drafting measured slower at this load)")
     return Decision(prompt_set, concurrency, verdict, gain, change, separated, p_value, reason)
 
 
@@ -174,17 +184,21 @@ def _arm_json(arm: ArmResult, slo: SloTargets | None) -> dict[str, Any]:
         "requests": sum(len(p.records) for p in arm.phases),
         "errors": arm.errors(),
         "acceptance_rate": arm.accepted_tokens / arm.draft_tokens if arm.draft_tokens else None,
+        "guard_vetoed_share": arm.vetoed_share(),
         "phases": [p.summary(slo) for p in arm.phases],
     }
 
 
-async def _spec_counters(gen: LoadGenerator) -> tuple[float, float]:
+_SPEC_COUNTERS = (names.SPEC_ACCEPTED_TOKENS, names.SPEC_DRAFT_TOKENS, names.SPEC_GUARD_CYCLES,
+                  names.SPEC_GUARD_VETOED_CYCLES)
+
+
+async def _spec_counters(gen: LoadGenerator) -> list[float]:
+    """The on arm's accepted and drafted tokens, and its guard's steps and vetoed steps, as /metrics has them."""
     from infra.validation.loadgen import scrape
 
     samples = await scrape(gen.client, gen.api_key)
-    accepted = prom.value(samples, f"{names.SPEC_ACCEPTED_TOKENS}_total") or 0.0
-    drafted = prom.value(samples, f"{names.SPEC_DRAFT_TOKENS}_total") or 0.0
-    return accepted, drafted
+    return [prom.value(samples, f"{name}_total") or 0.0 for name in _SPEC_COUNTERS]
 
 
 async def run_ab(on: LoadGenerator, off: LoadGenerator, workloads: Mapping[str, Sequence[Workload]],
@@ -208,15 +222,18 @@ async def run_ab(on: LoadGenerator, off: LoadGenerator, workloads: Mapping[str, 
                 order = order[::-1]
             count = max(min_requests, concurrency * requests_per_worker)
             for gen, arm, label in order:
-                before = await _spec_counters(gen) if label == "on" else (0.0, 0.0)
+                before = await _spec_counters(gen) if label == "on" else []
                 phase = await gen.closed_loop(
                     f"A/B {prompt_set} c={concurrency} spec {label} #{repeat + 1}", items, concurrency,
                     num_requests=count,
                     labels={"spec": label, "prompt_set": prompt_set, "repeat": str(repeat + 1)})
                 if label == "on":
                     after = await _spec_counters(gen)
-                    arm.accepted_tokens += after[0] - before[0]
-                    arm.draft_tokens += after[1] - before[1]
+                    accepted, drafted, cycles, vetoed = (b - a for a, b in zip(before, after, strict=True))
+                    arm.accepted_tokens += accepted
+                    arm.draft_tokens += drafted
+                    arm.guard_cycles += cycles
+                    arm.guard_vetoed_cycles += vetoed
                 arm.phases.append(phase)
                 if on_phase is not None:
                     on_phase(phase)

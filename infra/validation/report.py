@@ -225,7 +225,9 @@ def _ab_section(run: LaunchRun) -> str:
                      _spread(off["p99_e2e_spread_s"]) + " / " + _spread(on["p99_e2e_spread_s"]),
                      f"{_fmt(off['token_throughput_tps'], 1, 1)} → {_fmt(on['token_throughput_tps'], 1, 1)}",
                      f"{_fmt(off['p99_tpot_s'], 1000, 1)} → {_fmt(on['p99_tpot_s'], 1000, 1)}",
-                     "–" if rate is None else f"{rate:.0%}", html.escape(d["reason"])])
+                     "–" if rate is None else f"{rate:.0%}",
+                     "–" if (vetoed := on.get("guard_vetoed_share")) is None else f"{vetoed:.0%}",
+                     html.escape(d["reason"])])
     rule = run.ab.rule
     parts = [
         f"<p>Rule (deployment guide, launch validation step 3): enable only if P99 E2E latency drops by at "
@@ -234,7 +236,7 @@ def _ab_section(run: LaunchRun) -> str:
         f"output-token throughput drops by at most {rule.max_throughput_loss:.0%}. "
         f"Method: {html.escape(run.ab.method)}</p>",
         _table(["prompt set", "concurrency", "decision", "P99 E2E s off → on", "spread off / on (min–max s)",
-                "tokens/s off → on", "P99 TPOT ms off → on", "acceptance", "why"], rows),
+                "tokens/s off → on", "P99 TPOT ms off → on", "acceptance", "guard vetoed", "why"], rows),
     ]
     if run.recommendation:
         rec = run.recommendation

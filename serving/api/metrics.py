@@ -77,6 +77,16 @@ class ServerMetrics:
                                              registry=reg)
             self.spec_accepted = Counter(_counter_name(names.SPEC_ACCEPTED_TOKENS), "Draft tokens accepted",
                                          registry=reg)
+            self.guard_cycles = Counter(_counter_name(names.SPEC_GUARD_CYCLES),
+                                        "Decoding steps the speculation guard decided (zero with a fixed k)",
+                                        registry=reg)
+            self.guard_vetoed = Counter(_counter_name(names.SPEC_GUARD_VETOED_CYCLES),
+                                        "Guard steps run without drafts: drafting measured slower at that load",
+                                        registry=reg)
+            self.guard_plain = Counter(_counter_name(names.SPEC_GUARD_PLAIN_CYCLES),
+                                       "Guard steps run without drafts to measure plain decoding", registry=reg)
+            self.guard_vetoes = Counter(_counter_name(names.SPEC_GUARD_VETOES),
+                                        "Times a load turned speculation off", registry=reg)
         self.gpu_used: Gauge | None = None
         self.gpu_total: Gauge | None = None
         self.gpu_utilization: Gauge | None = None
@@ -122,6 +132,10 @@ class ServerMetrics:
             self._advance(self.spec_drafts, "drafts", stats.spec.num_drafts)
             self._advance(self.spec_draft_tokens, "draft_tokens", stats.spec.num_draft_tokens)
             self._advance(self.spec_accepted, "accepted", stats.spec.num_accepted_tokens)
+            self._advance(self.guard_cycles, "guard_cycles", stats.spec.guard_cycles)
+            self._advance(self.guard_vetoed, "guard_vetoed", stats.spec.guard_vetoed_cycles)
+            self._advance(self.guard_plain, "guard_plain", stats.spec.guard_plain_cycles)
+            self._advance(self.guard_vetoes, "guard_vetoes", stats.spec.guard_vetoes)
         new_steps = min(stats.steps_total - self._steps_seen, len(stats.recent_step_durations_s))
         if new_steps > 0:
             for seconds in stats.recent_step_durations_s[-new_steps:]:

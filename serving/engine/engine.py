@@ -10,7 +10,6 @@ Not thread-safe: one thread drives it (the async wrapper's loop thread, a benchm
 from __future__ import annotations
 
 import collections
-import copy
 import logging
 import random
 import time
@@ -215,5 +214,5 @@ class LLMEngine:
             step_time_total_s=self.step_time_total_s,
             last_step_s=self.last_step_s,
             recent_step_durations_s=list(self.recent_step_durations_s),
-            spec=copy.deepcopy(self.speculator.stats) if self.speculator is not None else SpecStats(),
+            spec=self.speculator.snapshot() if self.speculator is not None else SpecStats(),
         )

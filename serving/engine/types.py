@@ -162,6 +162,13 @@ class SpecStats:
     accepted_per_position: list[int] = field(default_factory=list)  # index i: drafts accepted at position i
     k_histogram: dict[int, int] = field(default_factory=dict)  # chosen k -> sequences-steps
     rejected_verify_time_s: float = 0.0  # estimated verify time spent on rejected tokens
+    # the adaptive guard (spec/guard.py; all zero with a fixed k): the decoding steps it decided, those it ran
+    # without drafts because drafting measured slower at that load, those it ran without drafts to measure plain
+    # decoding, and the times a load turned speculation off
+    guard_cycles: int = 0
+    guard_vetoed_cycles: int = 0
+    guard_plain_cycles: int = 0
+    guard_vetoes: int = 0
 
     @property
     def acceptance_rate(self) -> float:

@@ -76,6 +76,13 @@ def _panels() -> list[dict[str, Any]]:
             (f"sum by ({_BY_SLOT}) ({_rate(f'{m.SPEC_ACCEPTED_TOKENS}_total')}) / "
              f"clamp_min(sum by ({_BY_SLOT}) ({_rate(f'{m.SPEC_DRAFT_TOKENS}_total')}), 1e-9)", f"accepted {slot}"),
         ], "Accepted draft tokens / proposed draft tokens."),
+        ("Speculation guard", "percentunit", [
+            (f"sum by ({_BY_SLOT}) ({_rate(f'{m.SPEC_GUARD_VETOED_CYCLES}_total')}) / "
+             f"clamp_min(sum by ({_BY_SLOT}) ({_rate(f'{m.SPEC_GUARD_CYCLES}_total')}), 1e-9)", f"vetoed {slot}"),
+            (f"sum by ({_BY_SLOT}) ({_rate(f'{m.SPEC_GUARD_PLAIN_CYCLES}_total')}) / "
+             f"clamp_min(sum by ({_BY_SLOT}) ({_rate(f'{m.SPEC_GUARD_CYCLES}_total')}), 1e-9)", f"measuring {slot}"),
+        ], "Share of decoding steps run without drafts: vetoed (drafting measured slower at that load) or measuring "
+           "plain decoding. Near 1 at high load means speculation pays only at lower load."),
         ("Errors", "percentunit", [
             (f"sum by ({_BY_SLOT}) ({server_errors}) / {all_requests}", f"5xx share {slot}"),
             (f"sum by ({_BY_SLOT}) ({throttled}) / {all_requests}", f"429 share {slot}"),

@@ -93,6 +93,7 @@ class Bucket:
 @dataclass
 class SpeculationGuard:
     buckets: dict[int, Bucket] = field(default_factory=dict)
+    cycles_total: int = 0  # cycles the guard decided (exported, with the three below, as specdeploy_spec_guard_*)
     vetoes_total: int = 0  # buckets turned off (a bucket that turns off, on and off again counts twice)
     forced_plain_total: int = 0  # cycles set to k = 0 to measure plain decoding
     vetoed_cycles_total: int = 0  # cycles set to k = 0 by a veto
@@ -126,6 +127,7 @@ class SpeculationGuard:
         """Whether the next cycle with num_running requests may draft (the policy then chooses k), or must run
         plain: every k = 0, and the policy not even consulted, so that a plain cycle costs what spec-off does."""
         b = self.buckets.setdefault(bucket(num_running), Bucket())
+        self.cycles_total += 1
         b.cycles += 1
         b.plain.age += 1
         b.drafting.age += 1

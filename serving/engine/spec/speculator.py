@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 
@@ -198,6 +199,16 @@ class Speculator:
             else:
                 self.proposer.rollback(req.request_id, req.num_computed_tokens)
         self._bookkeeping_seconds = time.perf_counter() - started
+
+    def snapshot(self) -> SpecStats:
+        """A copy of the counters, the guard's included."""
+        stats = copy.deepcopy(self.stats)
+        if self.guard is not None:
+            stats.guard_cycles = self.guard.cycles_total
+            stats.guard_vetoed_cycles = self.guard.vetoed_cycles_total
+            stats.guard_plain_cycles = self.guard.forced_plain_total
+            stats.guard_vetoes = self.guard.vetoes_total
+        return stats
 
     def _record_verification(self, accepted: int, drafted: int) -> None:
         s = self.stats

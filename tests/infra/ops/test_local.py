@@ -127,7 +127,8 @@ def test_log_never_contains_the_key(deployment: LocalDeployment) -> None:
 def test_speculative_counters_are_exported_when_the_stack_enables_speculation(deployment: LocalDeployment) -> None:
     text = httpx.get(f"{deployment.endpoint}/metrics", timeout=10).text
     for name in ("specdeploy_spec_drafts_total", "specdeploy_spec_draft_tokens_total",
-                 "specdeploy_spec_accepted_tokens_total"):
+                 "specdeploy_spec_accepted_tokens_total", "specdeploy_spec_guard_cycles_total",
+                 "specdeploy_spec_guard_vetoed_cycles_total"):
         assert f"\n{name} " in text, name
 
 

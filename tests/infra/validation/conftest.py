@@ -71,7 +71,12 @@ class Handler(BaseHTTPRequestHandler):
             s = self.state
             text = (f"specdeploy_kv_blocks_used {s.kv_used}\nspecdeploy_process_resident_memory_bytes {s.rss}\n"
                     f"specdeploy_requests_waiting 0\nspecdeploy_requests_running 0\n"
-                    f"specdeploy_requests_total{{endpoint=\"/v1/completions\",status=\"200\"}} {s.requests}\n")
+                    f"specdeploy_requests_total{{endpoint=\"/v1/completions\",status=\"200\"}} {s.requests}\n"
+                    # a speculating server whose guard runs 4 of every 5 decoding steps without drafts
+                    f"specdeploy_spec_draft_tokens_total {8 * s.requests}\n"
+                    f"specdeploy_spec_accepted_tokens_total {6 * s.requests}\n"
+                    f"specdeploy_spec_guard_cycles_total {10 * s.requests}\n"
+                    f"specdeploy_spec_guard_vetoed_cycles_total {8 * s.requests}\n")
             body = text.encode()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")

@@ -90,3 +90,18 @@ def test_arms_alternate_in_abba_order_and_send_identical_requests(serve_fake: An
     on, off = result.cells[("code", 1)]
     assert [len(p.records) for p in on.phases] == [4, 4] and [len(p.records) for p in off.phases] == [4, 4]
     assert result.to_json()["cells"][0]["decision"]["verdict"] in (ENABLE, DISABLE)
+    # the on arm's counters are read around its phases only: the off arm's server is never asked
+    assert on.draft_tokens == 8 * 8 and on.accepted_tokens == 6 * 8 and off.draft_tokens == 0
+    assert on.vetoed_share() == pytest.approx(0.8) and off.vetoed_share() is None
+    cell = result.to_json()["cells"][0]
+    assert cell["on"]["guard_vetoed_share"] == pytest.approx(0.8) and cell["off"]["guard_vetoed_share"] is None
+    assert "ran 80% of the on arm's decoding steps without drafts" in cell["decision"]["reason"]
+
+
+def test_a_mostly_vetoed_on_arm_is_named_in_the_reason_and_a_drafting_one_is_not() -> None:
+    on, off = _arm([2.0] * 4, [100] * 4), _arm([2.0] * 4, [100] * 4)
+    on.guard_cycles, on.guard_vetoed_cycles = 1000, 940
+    d = decide("code", 64, on, off)
+    assert d.verdict == DISABLE and "guard ran 94% of the on arm's decoding steps without drafts" in d.reason
+    on.guard_vetoed_cycles = 300
+    assert "guard" not in decide("code", 64, on, off).reason

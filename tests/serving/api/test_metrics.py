@@ -12,11 +12,14 @@ from serving import metric_names
 COUNTERS = {metric_names.REQUESTS, metric_names.PROMPT_TOKENS, metric_names.GENERATION_TOKENS,
             metric_names.PREEMPTIONS, metric_names.SPEC_DRAFTS, metric_names.SPEC_DRAFT_TOKENS,
             metric_names.SPEC_ACCEPTED_TOKENS, metric_names.PREFIX_CACHE_QUERIES, metric_names.PREFIX_CACHE_HITS,
-            metric_names.STEP_FAILURES}
+            metric_names.STEP_FAILURES, metric_names.SPEC_GUARD_CYCLES, metric_names.SPEC_GUARD_VETOED_CYCLES,
+            metric_names.SPEC_GUARD_PLAIN_CYCLES, metric_names.SPEC_GUARD_VETOES}
 HISTOGRAMS = {metric_names.TTFT, metric_names.TPOT, metric_names.INTER_TOKEN, metric_names.E2E,
               metric_names.QUEUE_TIME, metric_names.STEP_TIME}
 CUDA_ONLY = {metric_names.GPU_MEMORY_USED, metric_names.GPU_MEMORY_TOTAL, metric_names.GPU_UTILIZATION}
-SPECULATIVE_ONLY = {metric_names.SPEC_DRAFTS, metric_names.SPEC_DRAFT_TOKENS, metric_names.SPEC_ACCEPTED_TOKENS}
+SPECULATIVE_ONLY = {metric_names.SPEC_DRAFTS, metric_names.SPEC_DRAFT_TOKENS, metric_names.SPEC_ACCEPTED_TOKENS,
+                    metric_names.SPEC_GUARD_CYCLES, metric_names.SPEC_GUARD_VETOED_CYCLES,
+                    metric_names.SPEC_GUARD_PLAIN_CYCLES, metric_names.SPEC_GUARD_VETOES}
 ALL = {v for k, v in vars(metric_names).items() if k.isupper() and k != "PREFIX" and isinstance(v, str)}
 
 
@@ -86,3 +89,26 @@ def test_prefix_cache_counters_follow_the_engine_totals() -> None:
     text = metrics.render().decode()
     assert re.search(rf"^{metric_names.PREFIX_CACHE_QUERIES}_total 250\.0$", text, re.M)
     assert re.search(rf"^{metric_names.PREFIX_CACHE_HITS}_total 192\.0$", text, re.M)
+
+
+def test_guard_counters_follow_the_speculator_totals() -> None:
+    """The guard's steps, vetoed steps, plain-measuring steps and vetoes become counters; the share of steps
+    vetoed (rate of vetoed ÷ rate of steps) is what the dashboard plots."""
+    from serving.api.metrics import ServerMetrics
+    from serving.engine.types import EngineStats, SpecStats
+
+    def stats(cycles: int, vetoed: int, plain: int, vetoes: int) -> EngineStats:
+        return EngineStats(num_waiting=0, num_running=0, kv_blocks_used=0, kv_blocks_total=8, kv_block_size=16,
+                           prompt_tokens_total=0, generation_tokens_total=0, preemptions_total=0,
+                           requests_finished_total=0, steps_total=0, step_time_total_s=0.0, last_step_s=0.0,
+                           recent_step_durations_s=[],
+                           spec=SpecStats(guard_cycles=cycles, guard_vetoed_cycles=vetoed, guard_plain_cycles=plain,
+                                          guard_vetoes=vetoes))
+
+    metrics = ServerMetrics(speculative=True)
+    metrics.refresh(stats(100, 10, 20, 1), ready=True)
+    metrics.refresh(stats(400, 250, 30, 2), ready=True)
+    text = metrics.render().decode()
+    for name, value in ((metric_names.SPEC_GUARD_CYCLES, 400), (metric_names.SPEC_GUARD_VETOED_CYCLES, 250),
+                        (metric_names.SPEC_GUARD_PLAIN_CYCLES, 30), (metric_names.SPEC_GUARD_VETOES, 2)):
+        assert re.search(rf"^{name}_total {value}\.0$", text, re.M), name

@@ -135,7 +135,9 @@ def exported_series() -> set[str]:
     names = {v for k, v in vars(metric_names).items() if k.isupper() and k != "PREFIX"}
     counters = {metric_names.REQUESTS, metric_names.PROMPT_TOKENS, metric_names.GENERATION_TOKENS,
                 metric_names.PREEMPTIONS, metric_names.SPEC_DRAFTS, metric_names.SPEC_DRAFT_TOKENS,
-                metric_names.SPEC_ACCEPTED_TOKENS}
+                metric_names.SPEC_ACCEPTED_TOKENS, metric_names.SPEC_GUARD_CYCLES,
+                metric_names.SPEC_GUARD_VETOED_CYCLES, metric_names.SPEC_GUARD_PLAIN_CYCLES,
+                metric_names.SPEC_GUARD_VETOES}
     histograms = {n for n in names if n.endswith("_seconds")}
     gauges = names - counters - histograms
     return gauges | {f"{c}_total" for c in counters} | {f"{h}{s}" for h in histograms for s in

@@ -162,8 +162,20 @@ def test_an_engine_stops_drafting_where_drafting_is_slower(kit: Any, llama_dir: 
     state = speculator.guard.buckets[bucket(2)]
     assert state.vetoed, speculator.guard.describe()
     assert speculator.guard.vetoed_cycles_total > 40
+    # what /metrics exports (specdeploy_spec_guard_*): the engine's snapshot carries the guard's counts
+    spec = engine.stats().spec
+    assert spec.guard_vetoed_cycles == speculator.guard.vetoed_cycles_total
+    assert spec.guard_vetoes == speculator.guard.vetoes_total >= 1
+    assert spec.guard_cycles >= spec.guard_vetoed_cycles + spec.guard_plain_cycles
+    assert spec.guard_plain_cycles == speculator.guard.forced_plain_total > 0
 
 
 def test_a_fixed_k_has_no_guard(kit: Any, llama_dir: Path) -> None:
     engine = kit.make_engine(llama_dir, speculative=SpeculativeConfig(enabled=True, method="ngram", adaptive=False))
     assert engine.speculator is not None and engine.speculator.guard is None
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    engine.add_request(GenerationRequest("r", [5, 6, 7, 8] * 6, params))
+    while engine.has_unfinished_requests():
+        engine.step()
+    spec = engine.stats().spec
+    assert spec.num_drafts > 0 and spec.guard_cycles == spec.guard_vetoed_cycles == spec.guard_vetoes == 0
