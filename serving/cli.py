@@ -42,6 +42,10 @@ def serve(config: str | None, host: str | None = None, port: int | None = None) 
     if port is not None:
         environ["SPECDEPLOY__SERVICE__PORT"] = str(port)
     settings = Settings.from_file(path, environ)
+    # before torch loads: its CPU allocator reads the variable this sets at its first allocation
+    from serving.engine import huge_pages
+
+    huge_pages.apply(settings.config.model.cpu_huge_pages, settings.config.model.device)
 
     from serving.main import run
 

@@ -127,6 +127,8 @@ DraftRolloutMode = Literal["auto", "on", "off"]
 RolloutWrapper = Literal["cpp", "python"]
 # auto: on CPU, decode attention through a C++ kernel reading the paged cache in place where that measures faster
 DecodeAttentionMode = Literal["auto", "on", "off"]
+# auto: torch's large CPU buffers (weights, KV cache) in transparent huge pages where the kernel gives them
+HugePagesMode = Literal["auto", "on", "off"]
 
 
 # The KV cache budget on CPU where the config sets none (the local stacks' local.kv_cache_mb default too).
@@ -187,6 +189,13 @@ class ModelSection(StrictModel):
         "measured at start-up take <= 0.95 of the gather path's time; on: wherever it applies (refused by name where "
         "it cannot: no compiler and no portable build, not CPU, not fp32, tensor parallel); off: gather + SDPA. "
         "Measured: " + MEASURED_IN + "#model-cpu-decode-attention.",
+    )
+    cpu_huge_pages: HugePagesMode = Field(
+        "auto", description="CPU: torch's buffers of 2 MiB and more (weights, KV cache) in transparent huge pages, "
+        "fewer TLB misses for the memory every decoding step reads; set as THP_MEM_ALLOC_ENABLE before torch loads "
+        "(serving/engine/huge_pages.py). auto: on where the kernel's THP mode is always or madvise and model.device is "
+        "not cuda; on: always asked for; off: never. THP_MEM_ALLOC_ENABLE in the environment wins. Measured: "
+        + MEASURED_IN + "#model-cpu-huge-pages.",
     )
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from serving.config import CPU_KV_CACHE_BYTES
+from serving.engine import huge_pages
 from serving.engine.config import EngineConfig
 from serving.engine.cpu_threads import choose as choose_threads
 from serving.engine.cpu_threads import usable_cores
@@ -116,6 +117,7 @@ def tune(runner: ModelRunner, config: EngineConfig, why_dtype: str) -> list[Deci
 
     decisions = [("model.dtype", str(runner.dtype).removeprefix("torch."), why_dtype),
                  ("model.num_threads", str(threads.threads or torch.get_num_threads()), threads.reason),
+                 huge_pages.describe(),
                  ("oneDNN primitive caches", *runner.primitive_caches),
                  ("model.compile", "on" if runner.compiled is not None else "off",
                   f"model.compile is {config.compile} on {device.type}")]

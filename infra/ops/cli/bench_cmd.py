@@ -223,7 +223,17 @@ def _concurrencies(text: str) -> list[int]:
     return concurrencies
 
 
+def _as_a_server(device: str) -> None:
+    """Before torch loads: what a server's entry point decides for its process (model.cpu_huge_pages at its
+    default), so that the engines measured in this process run as a plain server's does. Their start-up
+    decisions, printed with the figures, state it."""
+    from serving.engine import huge_pages
+
+    huge_pages.apply("auto", device)
+
+
 def _bench_engine(args: argparse.Namespace) -> int:
+    _as_a_server(args.device)
     if args.quantization:
         return _bench_quantization(args)
     from infra.bench.engine import run_engine_benchmark
@@ -282,6 +292,7 @@ def _bench_quantization(args: argparse.Namespace) -> int:
 
 
 def _bench_spec(args: argparse.Namespace) -> int:
+    _as_a_server("auto")
     from infra.bench.spec import run_spec_benchmark
 
     if args.trace_policy is not None and not args.trace_policy.parent.is_dir():
@@ -373,6 +384,7 @@ def _print_http_table(report: Any) -> None:
 
 
 def _bench_grammar(args: argparse.Namespace) -> int:
+    _as_a_server(args.device)
     from infra.bench.grammar import run_grammar_benchmark
 
     if args.output_len < 1 or args.repeats < 1:
@@ -399,6 +411,7 @@ def _bench_grammar(args: argparse.Namespace) -> int:
 
 
 def _bench_prefix(args: argparse.Namespace) -> int:
+    _as_a_server(args.device)
     from infra.bench.prefix import run_prefix_benchmark
 
     for flag in ("system_tokens", "requests", "concurrency", "output_len"):

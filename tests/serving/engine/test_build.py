@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from serving.engine import huge_pages
 from serving.engine.build import compiles, kv_budget_bytes, load, tune
 from serving.engine.config import EngineConfig, SpeculativeConfig
 from serving.engine.engine import LLMEngine
@@ -29,14 +30,15 @@ def test_tune_decides_the_target_alone_without_a_proposer(llama_dir: Path) -> No
     assert tokenizer is None and runner.speculator is None and runner.compiled is None
     decisions = tune(runner, config, why_dtype)
     assert [key for key, _, _ in decisions] == [
-        "model.dtype", "model.num_threads", "oneDNN primitive caches", "model.compile",
+        "model.dtype", "model.num_threads", "model.cpu_huge_pages", "oneDNN primitive caches", "model.compile",
         "model.cpu_weight_packing[target]", "model.cpu_decode_attention[target]"]
     assert decisions[0] == ("model.dtype", "float32", why_dtype)
     assert decisions[1] == ("model.num_threads", "1", "model.num_threads is 1")
-    assert decisions[2] == ("oneDNN primitive caches", *runner.primitive_caches)
-    assert decisions[3] == ("model.compile", "off", "model.compile is off on cpu")
-    assert decisions[4] == ("model.cpu_weight_packing[target]", "dense", "model.cpu_weight_packing is off")
-    assert decisions[5] == ("model.cpu_decode_attention[target]", "gather + SDPA", "model.cpu_decode_attention is off")
+    assert decisions[2][2].startswith(huge_pages.current().reason)  # decided before torch loaded, by the entry point
+    assert decisions[3] == ("oneDNN primitive caches", *runner.primitive_caches)
+    assert decisions[4] == ("model.compile", "off", "model.compile is off on cpu")
+    assert decisions[5] == ("model.cpu_weight_packing[target]", "dense", "model.cpu_weight_packing is off")
+    assert decisions[6] == ("model.cpu_decode_attention[target]", "gather + SDPA", "model.cpu_decode_attention is off")
     assert [d.model for d in runner.weight_packing] == ["target"] and runner.draft_rollout is None
 
 
@@ -47,11 +49,11 @@ def test_tune_takes_the_drafts_decisions_through_its_hooks(llama_dir: Path) -> N
     runner, _, why_dtype = load(config)
     decisions = tune(runner, config, why_dtype)
     assert [key for key, _, _ in decisions] == [
-        "model.dtype", "model.num_threads", "oneDNN primitive caches", "model.compile",
+        "model.dtype", "model.num_threads", "model.cpu_huge_pages", "oneDNN primitive caches", "model.compile",
         "model.cpu_weight_packing[target]", "model.cpu_weight_packing[draft]",
         "model.cpu_decode_attention[target]", "model.cpu_decode_attention[draft]",
         "speculative", "speculative.draft_token_map", "speculative.draft_context", "speculative.draft_rollout"]
-    assert decisions[8:] == [
+    assert decisions[9:] == [
         ("speculative", "draft, k <= 3", "adaptive: k per step from measured costs"),
         ("speculative.draft_token_map", "none", "speculative.draft_token_map is none"),
         ("speculative.draft_context", "whole sequence", "auto: the draft's max_position_embeddings (512) covers the "

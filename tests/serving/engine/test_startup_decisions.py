@@ -198,7 +198,8 @@ def test_one_start_up_line_lists_every_decision(kit: Any, llama_dir: Path, tmp_p
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("start-up decisions: ")]
     assert len(lines) == 1
     line = lines[0]
-    for setting in ("model.dtype float32 (auto: fp32 on CPU", "model.num_threads ", "oneDNN primitive caches ",
+    for setting in ("model.dtype float32 (auto: fp32 on CPU", "model.num_threads ", "model.cpu_huge_pages ",
+                    "oneDNN primitive caches ",
                     "model.compile off", "model.cpu_weight_packing[target]", "model.cpu_decode_attention[target]",
                     "speculative draft, k <= 12", "speculative.draft_token_map token_map.json (auto: token_map.json, "
                     "listed in the draft's manifest.json)", "speculative.draft_rollout off"):
