@@ -47,11 +47,8 @@ def kernel_mode(path: Path = THP_MODE) -> str | None:
 
 
 def _env_says(value: str) -> bool:
-    """torch's reading of the variable: an integer, non-zero means on."""
-    try:
-        return int(value.strip()) != 0
-    except ValueError:
-        return False
+    """torch's reading of the variable: 1 is on; 0 is off, and so is anything else (torch warns and ignores it)."""
+    return value.strip() == "1"
 
 
 def decide(setting: str, device: str, environ: Mapping[str, str], mode: str | None,

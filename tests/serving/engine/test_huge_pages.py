@@ -30,10 +30,11 @@ def _no_decision_taken(monkeypatch: pytest.MonkeyPatch) -> None:
     ("off", "cpu", {}, "madvise", False, "model.cpu_huge_pages is off"),
     ("on", "cpu", {}, "never", True, "model.cpu_huge_pages is on; the kernel gives none (THP mode never)"),
     ("on", "cuda", {}, "madvise", True, "model.cpu_huge_pages is on; THP mode madvise"),
-    # the operator's variable wins over every setting, read as torch reads it (an integer, non-zero is on)
+    # the operator's variable wins over every setting, read as torch reads it (1 is on, anything else off)
     ("off", "cpu", {ENV: "1"}, "madvise", True, f"{ENV}=1 in the environment"),
     ("auto", "cpu", {ENV: "0"}, "madvise", False, f"{ENV}=0 in the environment"),
     ("on", "cpu", {ENV: "yes"}, "madvise", False, f"{ENV}=yes in the environment"),
+    ("on", "cpu", {ENV: "2"}, "madvise", False, f"{ENV}=2 in the environment"),
 ])
 def test_the_decision_and_its_reason(setting: str, device: str, env: dict[str, str], mode: str | None, on: bool,
                                      says: str) -> None:
