@@ -33,6 +33,19 @@ def _counter_name(full: str) -> str:
     return full.removesuffix("_total")
 
 
+# (SpecStats field, series, help) of the counters a speculating server exports
+_SPEC_COUNTERS = (
+    ("num_drafts", names.SPEC_DRAFTS, "Verification rounds that carried draft tokens"),
+    ("num_draft_tokens", names.SPEC_DRAFT_TOKENS, "Draft tokens verified"),
+    ("num_accepted_tokens", names.SPEC_ACCEPTED_TOKENS, "Draft tokens accepted"),
+    ("guard_cycles", names.SPEC_GUARD_CYCLES, "Decoding steps the speculation guard decided (zero with a fixed k)"),
+    ("guard_vetoed_cycles", names.SPEC_GUARD_VETOED_CYCLES,
+     "Guard steps run without drafts: drafting measured slower at that load"),
+    ("guard_plain_cycles", names.SPEC_GUARD_PLAIN_CYCLES, "Guard steps run without drafts to measure plain decoding"),
+    ("guard_vetoes", names.SPEC_GUARD_VETOES, "Times a load turned speculation off"),
+)
+
+
 class ServerMetrics:
     def __init__(self, speculative: bool) -> None:
         disable_created_metrics()  # `_created` series double the page and no dashboard reads them
@@ -69,24 +82,9 @@ class ServerMetrics:
                                       "Prompt tokens looked up in the prefix cache", registry=reg)
         self.prefix_hits = Counter(_counter_name(names.PREFIX_CACHE_HITS),
                                    "Prompt tokens found in the prefix cache (prefill skipped)", registry=reg)
-        self.speculative = speculative
-        if speculative:
-            self.spec_drafts = Counter(_counter_name(names.SPEC_DRAFTS),
-                                       "Verification rounds that carried draft tokens", registry=reg)
-            self.spec_draft_tokens = Counter(_counter_name(names.SPEC_DRAFT_TOKENS), "Draft tokens verified",
-                                             registry=reg)
-            self.spec_accepted = Counter(_counter_name(names.SPEC_ACCEPTED_TOKENS), "Draft tokens accepted",
-                                         registry=reg)
-            self.guard_cycles = Counter(_counter_name(names.SPEC_GUARD_CYCLES),
-                                        "Decoding steps the speculation guard decided (zero with a fixed k)",
-                                        registry=reg)
-            self.guard_vetoed = Counter(_counter_name(names.SPEC_GUARD_VETOED_CYCLES),
-                                        "Guard steps run without drafts: drafting measured slower at that load",
-                                        registry=reg)
-            self.guard_plain = Counter(_counter_name(names.SPEC_GUARD_PLAIN_CYCLES),
-                                       "Guard steps run without drafts to measure plain decoding", registry=reg)
-            self.guard_vetoes = Counter(_counter_name(names.SPEC_GUARD_VETOES),
-                                        "Times a load turned speculation off", registry=reg)
+        # speculation on: one counter per SpecStats total, keyed by its field
+        self.spec_counters = {field: Counter(_counter_name(name), help_text, registry=reg)
+                              for field, name, help_text in _SPEC_COUNTERS} if speculative else {}
         self.gpu_used: Gauge | None = None
         self.gpu_total: Gauge | None = None
         self.gpu_utilization: Gauge | None = None
@@ -128,14 +126,8 @@ class ServerMetrics:
         self._advance(self.prefix_queries, "prefix_queries", stats.prefix_cache_queries_total)
         self._advance(self.step_failures, "step_failures", stats.step_failures_total)
         self._advance(self.prefix_hits, "prefix_hits", stats.prefix_cache_hits_total)
-        if self.speculative:
-            self._advance(self.spec_drafts, "drafts", stats.spec.num_drafts)
-            self._advance(self.spec_draft_tokens, "draft_tokens", stats.spec.num_draft_tokens)
-            self._advance(self.spec_accepted, "accepted", stats.spec.num_accepted_tokens)
-            self._advance(self.guard_cycles, "guard_cycles", stats.spec.guard_cycles)
-            self._advance(self.guard_vetoed, "guard_vetoed", stats.spec.guard_vetoed_cycles)
-            self._advance(self.guard_plain, "guard_plain", stats.spec.guard_plain_cycles)
-            self._advance(self.guard_vetoes, "guard_vetoes", stats.spec.guard_vetoes)
+        for field, counter in self.spec_counters.items():
+            self._advance(counter, field, getattr(stats.spec, field))
         new_steps = min(stats.steps_total - self._steps_seen, len(stats.recent_step_durations_s))
         if new_steps > 0:
             for seconds in stats.recent_step_durations_s[-new_steps:]:

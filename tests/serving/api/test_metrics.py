@@ -91,9 +91,9 @@ def test_prefix_cache_counters_follow_the_engine_totals() -> None:
     assert re.search(rf"^{metric_names.PREFIX_CACHE_HITS}_total 192\.0$", text, re.M)
 
 
-def test_guard_counters_follow_the_speculator_totals() -> None:
-    """The guard's steps, vetoed steps, plain-measuring steps and vetoes become counters; the share of steps
-    vetoed (rate of vetoed ÷ rate of steps) is what the dashboard plots."""
+def test_speculation_counters_follow_the_speculator_totals() -> None:
+    """Drafts, draft and accepted tokens, and the guard's steps, vetoed steps, plain-measuring steps and vetoes
+    become counters; the share of steps vetoed (rate of vetoed ÷ rate of steps) is what the dashboard plots."""
     from serving.api.metrics import ServerMetrics
     from serving.engine.types import EngineStats, SpecStats
 
@@ -102,13 +102,16 @@ def test_guard_counters_follow_the_speculator_totals() -> None:
                            prompt_tokens_total=0, generation_tokens_total=0, preemptions_total=0,
                            requests_finished_total=0, steps_total=0, step_time_total_s=0.0, last_step_s=0.0,
                            recent_step_durations_s=[],
-                           spec=SpecStats(guard_cycles=cycles, guard_vetoed_cycles=vetoed, guard_plain_cycles=plain,
-                                          guard_vetoes=vetoes))
+                           spec=SpecStats(num_drafts=cycles - vetoed, num_draft_tokens=4 * cycles,
+                                          num_accepted_tokens=3 * cycles, guard_cycles=cycles,
+                                          guard_vetoed_cycles=vetoed, guard_plain_cycles=plain, guard_vetoes=vetoes))
 
     metrics = ServerMetrics(speculative=True)
     metrics.refresh(stats(100, 10, 20, 1), ready=True)
     metrics.refresh(stats(400, 250, 30, 2), ready=True)
     text = metrics.render().decode()
-    for name, value in ((metric_names.SPEC_GUARD_CYCLES, 400), (metric_names.SPEC_GUARD_VETOED_CYCLES, 250),
+    for name, value in ((metric_names.SPEC_DRAFTS, 150), (metric_names.SPEC_DRAFT_TOKENS, 1600),
+                        (metric_names.SPEC_ACCEPTED_TOKENS, 1200),
+                        (metric_names.SPEC_GUARD_CYCLES, 400), (metric_names.SPEC_GUARD_VETOED_CYCLES, 250),
                         (metric_names.SPEC_GUARD_PLAIN_CYCLES, 30), (metric_names.SPEC_GUARD_VETOES, 2)):
         assert re.search(rf"^{name}_total {value}\.0$", text, re.M), name
