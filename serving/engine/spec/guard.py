@@ -28,12 +28,22 @@ added to the bucket's drafting seconds all the same. Then:
 
 Plain cycles are refreshed rarely where drafting clearly wins (FAR_AHEAD): there each forced plain cycle costs
 what speculation would have gained.
+
+The bucket a cycle is decided in is that of the load *level*: the most requests running over the last
+LOAD_WINDOW cycles, not the count of this cycle alone. Under a steady load the count dips for a few cycles
+whenever requests finish before their successors arrive (64 running, then 48 for three cycles, then 64 again),
+and with buckets decided by the instant count a steady load switched between two buckets with their own
+verdicts. Where the lower bucket drafted and the higher one was vetoed, each dip resumed drafting for every
+request at once, each paying the catch-up of all the steps its draft had sat out, and the load paid that
+several times a phase. A dip now keeps its level's verdict; its rate, that of a lighter load, is left out of
+the level's figures, and a load that really falls changes bucket LOAD_WINDOW cycles later.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -48,6 +58,7 @@ FAR_AHEAD = 1.25  # drafting this much faster: plain cycles refreshed every REFR
 REFRESH_NEAR, REFRESH_FAR = 48, 400  # ...else every REFRESH_NEAR
 PROBE_EVERY, PROBE_CYCLES = 128, 16  # while vetoed: a probe of this many drafting cycles every PROBE_EVERY
 PROBE_EVERY_MAX = 1024  # the interval's ceiling as failed probes double it
+LOAD_WINDOW = 16  # cycles over which the load level is the most requests running
 
 
 def bucket(num_running: int) -> int:
@@ -97,10 +108,25 @@ class SpeculationGuard:
     vetoes_total: int = 0  # buckets turned off (a bucket that turns off, on and off again counts twice)
     forced_plain_total: int = 0  # cycles set to k = 0 to measure plain decoding
     vetoed_cycles_total: int = 0  # cycles set to k = 0 by a veto
+    _recent: deque[int] = field(default_factory=lambda: deque(maxlen=LOAD_WINDOW))  # running, the last cycles
+    _decided: int | None = None  # the bucket of the level the last cycle was decided in
+
+    def level(self) -> int:
+        """The bucket of the load level: the most requests running over the last LOAD_WINDOW cycles."""
+        return bucket(max(self._recent, default=1))
+
+    def _bucket_of_cycle(self, num_running: int) -> int:
+        """The bucket the cycle that allows_drafting last decided belongs to (its level's), or num_running's
+        where no cycle was decided."""
+        return bucket(num_running) if self._decided is None else self._decided
 
     def observe(self, num_running: int, drafted: bool, tokens: int, seconds: float) -> None:
-        """One clean cycle (no prefill, no preemption) with num_running requests: tokens emitted in `seconds`."""
-        b = self.buckets.setdefault(bucket(num_running), Bucket())
+        """The cycle last decided was clean (no prefill, no preemption), with num_running requests: tokens
+        emitted in `seconds`. A cycle in a dip below its level is left out: its rate is a lighter load's."""
+        key = self._bucket_of_cycle(num_running)
+        if bucket(num_running) != key:
+            return
+        b = self.buckets.setdefault(key, Bucket())
         (b.drafting if drafted else b.plain).observe(tokens, seconds)
         ratio = b.ratio()
         if ratio is None:
@@ -120,13 +146,16 @@ class SpeculationGuard:
         also prefilled, so that it has no rate to compare: charged to the bucket's drafting time. A wave of new
         requests runs mostly in such steps, and the draft's catch-up on each new prompt, which only drafting
         pays, would otherwise never be seen (at 64 sequences of 300-token prompts: ~19,000 draft tokens a wave)."""
-        b = self.buckets.setdefault(bucket(num_running), Bucket())
+        b = self.buckets.setdefault(self._bucket_of_cycle(num_running), Bucket())
         b.drafting.seconds += seconds
 
     def allows_drafting(self, num_running: int) -> bool:
         """Whether the next cycle with num_running requests may draft (the policy then chooses k), or must run
-        plain: every k = 0, and the policy not even consulted, so that a plain cycle costs what spec-off does."""
-        b = self.buckets.setdefault(bucket(num_running), Bucket())
+        plain: every k = 0, and the policy not even consulted, so that a plain cycle costs what spec-off does.
+        Decided in the bucket of the load level (level()), num_running included."""
+        self._recent.append(num_running)
+        self._decided = self.level()
+        b = self.buckets.setdefault(self._decided, Bucket())
         self.cycles_total += 1
         b.cycles += 1
         b.plain.age += 1

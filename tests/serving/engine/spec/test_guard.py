@@ -123,6 +123,38 @@ def test_a_probe_is_judged_over_all_its_cycles_not_its_first_few() -> None:
         assert (not b.vetoed) is lifted
 
 
+def test_a_dip_in_a_steady_load_keeps_its_levels_verdict() -> None:
+    """64 requests running, dipping to 48 for three cycles in every sixteen (requests finished, their successors
+    not yet arrived). Drafting loses at 64 and would win at 48: once 64 is vetoed, the dips run plain too (with
+    buckets of the instant count, every dip resumed drafting for every request, each paying its draft's
+    catch-up), and their rates reach neither bucket's figures."""
+    guard = SpeculationGuard()
+    dips = []
+    for i in range(2 * g.PROBE_EVERY_MAX):
+        running = 48 if i % 16 >= 13 else 64
+        drafts = guard.allows_drafting(running)
+        if running == 48 and guard.buckets[bucket(64)].vetoed:
+            dips.append(drafts)
+        tokens = 2 * running if drafts else running
+        tps = (1800 if running == 64 else 3000) if drafts else 2000
+        guard.observe(running, drafts, tokens, tokens / tps)
+    assert guard.buckets[bucket(64)].vetoed and len(dips) > 300
+    assert sum(dips) / len(dips) <= g.PROBE_CYCLES / g.PROBE_EVERY  # the level's probes only
+    assert bucket(48) not in guard.buckets
+
+
+def test_a_load_that_falls_changes_bucket_after_the_load_window() -> None:
+    guard = SpeculationGuard()
+    run_cycles(guard, 8 * g.MIN_SAMPLES, 64, drafting_tps=1800, plain_tps=2000)
+    assert guard.level() == bucket(64)
+    for i in range(g.LOAD_WINDOW):
+        assert guard.level() == bucket(64), i
+        guard.allows_drafting(8)
+    assert guard.level() == bucket(8)
+    run_cycles(guard, 8 * g.MIN_SAMPLES, 8, drafting_tps=2500, plain_tps=1000)
+    assert not guard.buckets[bucket(8)].vetoed and guard.buckets[bucket(8)].plain.samples >= g.MIN_SAMPLES
+
+
 def test_catch_ups_in_prefill_steps_are_charged_to_drafting() -> None:
     """Clean drafting cycles 5 % ahead of plain ones, but every fourth drafting cycle also prefilled and spent
     40 % of a cycle catching the draft up: drafting costs more than it gains, and the bucket is vetoed. Without
