@@ -6,13 +6,19 @@ everything the process does between steps (the API thread emitting several token
 a choice that the model prices at +5 % can run at -10 %. The guard checks the choice against the clock.
 
 It times engine *cycles*: from one proposal to the next, which holds the drafting for a step, the step that
-verifies it, and whatever runs between steps. A cycle drafted (some sequence got k > 0) or it did not. Cycles are
-kept apart by how many requests run (half-octave buckets: 1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64 ...), and per
-bucket the guard keeps the tokens per second of drafting and of plain cycles (decayed sums of tokens and
-seconds over about the last fifty of each kind: several requests' worth at low load, so that one prompt the
-draft guesses badly does not decide). A cycle whose step also carried prefill tokens or preempted a request has
-no rate to compare; where it drafted, what its proposal took (the draft's catch-up on new prompts above all) is
-added to the bucket's drafting seconds all the same. Then:
+verifies it, and whatever runs between steps. A cycle was left to the policy (a *drafting* cycle: the policy
+chose each k, 0 included) or the guard ran it plain (a *plain* cycle). The two are told apart by who decided,
+not by whether anything drafted: the cycles where the policy itself chose k = 0 everywhere are not a fair sample
+of plain decoding. They cluster where a wave of requests starts or ends (first outputs, whose drafts are seldom
+accepted; last tokens, too few to draft), which are the heavy moments between steps (new prompts tokenized and
+admitted, finished requests detokenized and answered, under the same GIL), and counted as plain they put it
+5-15 % below what the guard's own plain cycles measure at 64 requests, so that drafting at a tie read as ahead
+and stayed on. Cycles are kept apart by how many requests run (half-octave buckets: 1, 2, 3, 4, 6, 8, 11, 16, 23,
+32, 45, 64 ...), and per bucket the guard keeps the tokens per second of drafting and of plain cycles (decayed
+sums of tokens and seconds over about the last fifty of each kind: several requests' worth at low load, so that
+one prompt the draft guesses badly does not decide). A cycle whose step also carried prefill tokens or preempted
+a request has no rate to compare; where the policy decided it, what its proposal took (the draft's catch-up on
+new prompts above all) is added to the bucket's drafting seconds all the same. Then:
 
 - a bucket with too few plain cycles gets one now and then (every 4th cycle until there are MIN_SAMPLES, then
   one every REFRESH_NEAR cycles so that the figure follows the load): the policy is not consulted for that
@@ -120,14 +126,15 @@ class SpeculationGuard:
         where no cycle was decided."""
         return bucket(num_running) if self._decided is None else self._decided
 
-    def observe(self, num_running: int, drafted: bool, tokens: int, seconds: float) -> None:
+    def observe(self, num_running: int, allowed: bool, tokens: int, seconds: float) -> None:
         """The cycle last decided was clean (no prefill, no preemption), with num_running requests: tokens
-        emitted in `seconds`. A cycle in a dip below its level is left out: its rate is a lighter load's."""
+        emitted in `seconds`; allowed: whether allows_drafting() left it to the policy (a drafting cycle, whatever
+        k the policy chose). A cycle in a dip below its level is left out: its rate is a lighter load's."""
         key = self._bucket_of_cycle(num_running)
         if bucket(num_running) != key:
             return
         b = self.buckets.setdefault(key, Bucket())
-        (b.drafting if drafted else b.plain).observe(tokens, seconds)
+        (b.drafting if allowed else b.plain).observe(tokens, seconds)
         ratio = b.ratio()
         if ratio is None:
             return

@@ -53,7 +53,7 @@ class Speculator:
         self._bookkeeping_seconds = 0.0  # this step's after_update, charged with the next proposals
         # adaptive: the policy's choices held against the clock (guard.py); a fixed k is what the operator asked for
         self.guard = SpeculationGuard() if config.adaptive else None
-        self._cycle: tuple[float, int, bool] | None = None  # the cycle under way: (start, running, drafted)
+        self._cycle: tuple[float, int, bool] | None = None  # the cycle under way: (start, running, policy decided)
         self._cycle_tokens: int | None = None  # tokens its step emitted; None where it also prefilled or preempted
         self._cycle_drafting_s = 0.0  # what its proposal took (the policy, catch-ups, draft forwards)
         # called with SpeculationPolicy.describe() of every choice when set (bench spec --trace-policy)
@@ -65,10 +65,10 @@ class Speculator:
         """Give every decoding request that may speculate its draft tokens for the next step."""
         started = time.perf_counter()
         if self.guard is not None and self._cycle is not None:
-            cycle_start, running, drafted = self._cycle
+            cycle_start, running, allowed = self._cycle
             if self._cycle_tokens is not None:
-                self.guard.observe(running, drafted, self._cycle_tokens, started - cycle_start)
-            elif drafted:  # its step also prefilled: no rate to compare, but what the drafting cost counts
+                self.guard.observe(running, allowed, self._cycle_tokens, started - cycle_start)
+            elif allowed:  # its step also prefilled: no rate to compare, but what the drafting cost counts
                 self.guard.charge(running, self._cycle_drafting_s)
         self._cycle = None
         decoding = [r for r in scheduler.running if r.num_computed_tokens == r.num_tokens - 1 and not r.is_finished]
@@ -97,8 +97,8 @@ class Speculator:
         flat = self.proposer.fixed_draft_seconds(by_id[next(iter(candidates))]) if len(candidates) == 1 else None
         early = {rid for rid in candidates if by_id[rid].num_output_tokens < EARLY_OUTPUTS}
         ks = self.policy.choose(candidates, len(decoding), catch_up, flat, lags, early)
-        if self.guard is not None:
-            self._cycle = (started, len(scheduler.running), any(k > 0 for k in ks.values()))
+        if self.guard is not None:  # a drafting cycle for the guard, whatever k the policy chose (guard.py)
+            self._cycle = (started, len(scheduler.running), True)
         speculating = [by_id[rid] for rid, k in ks.items() if k > 0]
         self._early = early
         proposed = self.proposer.propose(speculating, ks)

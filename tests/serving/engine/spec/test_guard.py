@@ -202,6 +202,29 @@ def test_an_engine_stops_drafting_where_drafting_is_slower(kit: Any, llama_dir: 
     assert spec.guard_plain_cycles == speculator.guard.forced_plain_total > 0
 
 
+def test_cycles_the_policy_ran_at_k_0_count_as_drafting_cycles(kit: Any, llama_dir: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cycles are told apart by who decided them: a cycle left to the policy is a drafting cycle even where the
+    policy chose k = 0 for every sequence, and the plain figure holds only the cycles the guard ran plain (the
+    policy's k = 0 cycles cluster at a wave's heavy start and end, and counted as plain they made drafting at a
+    tie read as ahead)."""
+    engine = kit.make_engine(llama_dir, speculative=SpeculativeConfig(enabled=True, method="ngram",
+                                                                      num_draft_tokens=4))
+    speculator = engine.speculator
+    assert speculator is not None and speculator.guard is not None
+    monkeypatch.setattr(speculator.policy, "choose", lambda candidates, *args, **kwargs: dict.fromkeys(candidates, 0))
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    for i in range(2):
+        engine.add_request(GenerationRequest(f"r{i}", [5, 6, 7, 8] * 6, params))
+    while engine.has_unfinished_requests():
+        engine.step()
+    state = speculator.guard.buckets[bucket(2)]
+    assert engine.stats().spec.num_draft_tokens == 0
+    assert state.drafting.samples >= g.MIN_SAMPLES and state.plain.samples >= g.MIN_SAMPLES
+    guard = speculator.guard
+    assert state.plain.samples <= guard.forced_plain_total + guard.vetoed_cycles_total
+
+
 def test_a_fixed_k_has_no_guard(kit: Any, llama_dir: Path) -> None:
     engine = kit.make_engine(llama_dir, speculative=SpeculativeConfig(enabled=True, method="ngram", adaptive=False))
     assert engine.speculator is not None and engine.speculator.guard is None
