@@ -6,19 +6,19 @@ everything the process does between steps (the API thread emitting several token
 a choice that the model prices at +5 % can run at -10 %. The guard checks the choice against the clock.
 
 It times engine *cycles*: from one proposal to the next, which holds the drafting for a step, the step that
-verifies it, and whatever runs between steps. A cycle was left to the policy (a *drafting* cycle: the policy
-chose each k, 0 included) or the guard ran it plain (a *plain* cycle). The two are told apart by who decided,
-not by whether anything drafted: the cycles where the policy itself chose k = 0 everywhere are not a fair sample
-of plain decoding. They cluster where a wave of requests starts or ends (first outputs, whose drafts are seldom
-accepted; last tokens, too few to draft), which are the heavy moments between steps (new prompts tokenized and
-admitted, finished requests detokenized and answered, under the same GIL), and counted as plain they put it
-5-15 % below what the guard's own plain cycles measure at 64 requests, so that drafting at a tie read as ahead
-and stayed on. Cycles are kept apart by how many requests run (half-octave buckets: 1, 2, 3, 4, 6, 8, 11, 16, 23,
-32, 45, 64 ...), and per bucket the guard keeps the tokens per second of drafting and of plain cycles (decayed
-sums of tokens and seconds over about the last fifty of each kind: several requests' worth at low load, so that
-one prompt the draft guesses badly does not decide). A cycle whose step also carried prefill tokens or preempted
-a request has no rate to compare; where the policy decided it, what its proposal took (the draft's catch-up on
-new prompts above all) is added to the bucket's drafting seconds all the same. Then:
+verifies it, and whatever runs between steps. A cycle was left to the policy (a *drafting* cycle: the policy chose
+each k, 0 included) or the guard ran it plain (a *plain* cycle). The two are told apart by who decided, not by
+whether anything drafted: the cycles where the policy itself chose k = 0 everywhere are not a fair sample of plain
+decoding. They cluster where a wave of requests starts or ends (first outputs, whose drafts are seldom accepted;
+last tokens, too few to draft), which are the heavy moments between steps (new prompts tokenized and admitted,
+finished requests detokenized and answered, under the same GIL); counted as plain, they would pull the plain figure
+below what plain decoding runs at, and drafting at a tie would read as ahead. Cycles are kept apart by how many
+requests run (half-octave buckets: 1, 2, 3, 4, 6, 8, 11, 16, 23, 32, 45, 64 ...), and per bucket the guard keeps
+the tokens per second of drafting and of plain cycles (decayed sums of tokens and seconds over about the last fifty
+of each kind: several requests' worth at low load, so that one prompt the draft guesses badly does not decide). A
+cycle whose step also carried prefill tokens or preempted a request has no rate to compare; where the policy
+decided it, what its proposal took (the draft's catch-up on new prompts above all) is added to the bucket's
+drafting seconds all the same. Then:
 
 - a bucket with too few plain cycles gets one now and then (every 4th cycle until there are MIN_SAMPLES, then
   one every REFRESH_NEAR cycles so that the figure follows the load): the policy is not consulted for that
@@ -37,12 +37,12 @@ what speculation would have gained.
 
 The bucket a cycle is decided in is that of the load *level*: the most requests running over the last
 LOAD_WINDOW cycles, not the count of this cycle alone. Under a steady load the count dips for a few cycles
-whenever requests finish before their successors arrive (64 running, then 48 for three cycles, then 64 again),
-and with buckets decided by the instant count a steady load switched between two buckets with their own
-verdicts. Where the lower bucket drafted and the higher one was vetoed, each dip resumed drafting for every
-request at once, each paying the catch-up of all the steps its draft had sat out, and the load paid that
-several times a phase. A dip now keeps its level's verdict; its rate, that of a lighter load, is left out of
-the level's figures, and a load that really falls changes bucket LOAD_WINDOW cycles later.
+whenever requests finish before their successors arrive (64 running, then 48 for three cycles, then 64 again).
+Bucketed by the instant count, such a load would move between two buckets with their own verdicts, and where
+the lower one drafts and the higher one is vetoed, each dip would resume drafting for every request at once,
+each paying the catch-up of all the steps its draft sat out. A dip keeps its level's verdict; its rate, that of
+a lighter load, is left out of the level's figures, and a load that really falls changes bucket LOAD_WINDOW
+cycles later.
 """
 
 from __future__ import annotations
@@ -115,16 +115,15 @@ class SpeculationGuard:
     forced_plain_total: int = 0  # cycles set to k = 0 to measure plain decoding
     vetoed_cycles_total: int = 0  # cycles set to k = 0 by a veto
     _recent: deque[int] = field(default_factory=lambda: deque(maxlen=LOAD_WINDOW))  # running, the last cycles
-    _decided: int | None = None  # the bucket of the level the last cycle was decided in
 
     def level(self) -> int:
         """The bucket of the load level: the most requests running over the last LOAD_WINDOW cycles."""
         return bucket(max(self._recent, default=1))
 
     def _bucket_of_cycle(self, num_running: int) -> int:
-        """The bucket the cycle that allows_drafting last decided belongs to (its level's), or num_running's
-        where no cycle was decided."""
-        return bucket(num_running) if self._decided is None else self._decided
+        """The bucket of the cycle allows_drafting last decided (its level's: nothing is appended between the
+        decision and the cycle's observe or charge), or num_running's where no cycle was decided."""
+        return self.level() if self._recent else bucket(num_running)
 
     def observe(self, num_running: int, allowed: bool, tokens: int, seconds: float) -> None:
         """The cycle last decided was clean (no prefill, no preemption), with num_running requests: tokens
@@ -161,8 +160,7 @@ class SpeculationGuard:
         plain: every k = 0, and the policy not even consulted, so that a plain cycle costs what spec-off does.
         Decided in the bucket of the load level (level()), num_running included."""
         self._recent.append(num_running)
-        self._decided = self.level()
-        b = self.buckets.setdefault(self._decided, Bucket())
+        b = self.buckets.setdefault(self.level(), Bucket())
         self.cycles_total += 1
         b.cycles += 1
         b.plain.age += 1

@@ -170,27 +170,37 @@ def test_catch_ups_in_prefill_steps_are_charged_to_drafting() -> None:
         assert guard.buckets[bucket(64)].vetoed is vetoed
 
 
-def test_an_engine_stops_drafting_where_drafting_is_slower(kit: Any, llama_dir: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """A proposer whose every proposal costs 20 ms (a tiny model's step is ~1 ms): the policy, which prices drafts
-    by its own fits, is overruled by the clock, and the engine runs plain."""
+def ngram_engine_on_two_requests(kit: Any, llama_dir: Path, patch: Any, max_tokens: int) -> Any:
+    """An adaptive n-gram engine (k <= 4) after `patch(speculator)` ran two greedy requests on a repetitive prompt
+    (the n-gram proposer finds matches, so the policy wants to draft) to their end; returns the engine."""
     engine = kit.make_engine(llama_dir, speculative=SpeculativeConfig(enabled=True, method="ngram",
                                                                       num_draft_tokens=4))
-    speculator = engine.speculator
-    assert speculator is not None and speculator.guard is not None
-    propose = speculator.proposer.propose
-
-    def slow(*args: Any, **kwargs: Any) -> Any:
-        time.sleep(0.02)
-        return propose(*args, **kwargs)
-
-    monkeypatch.setattr(speculator.proposer, "propose", slow)
-    # repetitive prompts: the n-gram proposer finds matches, so the policy wants to draft
-    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    assert engine.speculator is not None and engine.speculator.guard is not None
+    patch(engine.speculator)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(2):
         engine.add_request(GenerationRequest(f"r{i}", [5, 6, 7, 8] * 6, params))
     while engine.has_unfinished_requests():
         engine.step()
+    return engine
+
+
+def test_an_engine_stops_drafting_where_drafting_is_slower(kit: Any, llama_dir: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A proposer whose every proposal costs 20 ms (a tiny model's step is ~1 ms): the policy, which prices drafts
+    by its own fits, is overruled by the clock, and the engine runs plain."""
+
+    def slow_proposals(speculator: Any) -> None:
+        propose = speculator.proposer.propose
+
+        def slow(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(0.02)
+            return propose(*args, **kwargs)
+
+        monkeypatch.setattr(speculator.proposer, "propose", slow)
+
+    engine = ngram_engine_on_two_requests(kit, llama_dir, slow_proposals, max_tokens=120)
+    speculator = engine.speculator
     state = speculator.guard.buckets[bucket(2)]
     assert state.vetoed, speculator.guard.describe()
     assert speculator.guard.vetoed_cycles_total > 40
@@ -206,18 +216,14 @@ def test_cycles_the_policy_ran_at_k_0_count_as_drafting_cycles(kit: Any, llama_d
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Cycles are told apart by who decided them: a cycle left to the policy is a drafting cycle even where the
     policy chose k = 0 for every sequence, and the plain figure holds only the cycles the guard ran plain (the
-    policy's k = 0 cycles cluster at a wave's heavy start and end, and counted as plain they made drafting at a
-    tie read as ahead)."""
-    engine = kit.make_engine(llama_dir, speculative=SpeculativeConfig(enabled=True, method="ngram",
-                                                                      num_draft_tokens=4))
+    policy's k = 0 cycles cluster at a wave's heavy start and end, and counted as plain they would make drafting
+    at a tie read as ahead)."""
+
+    def no_drafts(speculator: Any) -> None:
+        monkeypatch.setattr(speculator.policy, "choose", lambda candidates, *a, **kw: dict.fromkeys(candidates, 0))
+
+    engine = ngram_engine_on_two_requests(kit, llama_dir, no_drafts, max_tokens=60)
     speculator = engine.speculator
-    assert speculator is not None and speculator.guard is not None
-    monkeypatch.setattr(speculator.policy, "choose", lambda candidates, *args, **kwargs: dict.fromkeys(candidates, 0))
-    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
-    for i in range(2):
-        engine.add_request(GenerationRequest(f"r{i}", [5, 6, 7, 8] * 6, params))
-    while engine.has_unfinished_requests():
-        engine.step()
     state = speculator.guard.buckets[bucket(2)]
     assert engine.stats().spec.num_draft_tokens == 0
     assert state.drafting.samples >= g.MIN_SAMPLES and state.plain.samples >= g.MIN_SAMPLES
