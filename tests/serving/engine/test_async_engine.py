@@ -42,6 +42,39 @@ def test_concurrent_streams_match_the_sync_engine(kit: Any, llama_dir: Path, spe
     assert asyncio.run(main()) == expected
 
 
+def test_a_step_wakes_the_event_loop_once_for_all_its_outputs(kit: Any, llama_dir: Path) -> None:
+    """One call_soon_threadsafe per step, not one per request: each is a wake-up of the loop (a self-pipe write,
+    a return from its poll) taken under the GIL that the step loop needs too."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    async def main() -> tuple[int, int]:
+        loop = asyncio.get_running_loop()
+        wakeups = 0
+        schedule = loop.call_soon_threadsafe
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            nonlocal wakeups
+            wakeups += 1
+            return schedule(*args, **kwargs)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        engine = AsyncEngine(kit.make_engine(llama_dir))
+        await engine.start()
+
+        async def one(i: int) -> int:
+            return sum([len(out.new_token_ids) async for out in engine.generate(
+                GenerationRequest(f"r{i}", [1 + i, 2, 3, 4], params))])
+
+        tokens = await asyncio.gather(*(one(i) for i in range(4)))
+        assert tokens == [12] * 4
+        counts = wakeups, engine.stats().steps_total  # before stop(), whose threads wake the loop too
+        await engine.stop()
+        return counts
+
+    wakeups, steps = asyncio.run(main())
+    assert wakeups <= steps < 4 * 12  # four requests decoding together: a call per output would be ~4 a step
+
+
 def test_abort_mid_generation_frees_blocks_and_ends_the_stream(kit: Any, llama_dir: Path) -> None:
     async def main() -> None:
         engine = AsyncEngine(kit.make_engine(llama_dir))
