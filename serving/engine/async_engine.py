@@ -167,7 +167,7 @@ class AsyncEngine:
                     self._wakeup.wait(_IDLE_WAIT_S)
                     self._wakeup.clear()
                     continue
-                self._deliver_step(self._step())
+                self._deliver(self._step())
             self._abort_all()
         except BaseException as exc:  # recorded and surfaced, never swallowed
             log.exception("engine step loop failed")
@@ -209,16 +209,14 @@ class AsyncEngine:
                 request_id, done = payload
                 output = self.engine.abort_request(request_id)
                 if output is not None:
-                    self._deliver(output)
+                    self._deliver([output])
                 if done is not None:
                     done.get_loop().call_soon_threadsafe(_resolve, done)
 
     def _abort_all(self) -> None:
         self._apply_commands()
-        for request_id in list(self.engine.scheduler.requests):
-            output = self.engine.abort_request(request_id)
-            if output is not None:
-                self._deliver(output)
+        outputs = [self.engine.abort_request(request_id) for request_id in list(self.engine.scheduler.requests)]
+        self._deliver([output for output in outputs if output is not None])
 
     def _fail_pending_commands(self) -> None:
         while self._commands:
@@ -226,13 +224,9 @@ class AsyncEngine:
             if kind == "abort" and payload[1] is not None:
                 payload[1].get_loop().call_soon_threadsafe(_resolve, payload[1])
 
-    def _deliver(self, output: RequestOutput) -> None:
-        stream = self._streams.get(output.request_id)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
-
-    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs, in one call per event loop (the server has one; tests may have several)."""
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Outputs to their streams (a step's, or aborts'), in one call per event loop (the server has one; tests
+        may have several)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], RequestOutput]]] = {}
         for output in outputs:
             stream = self._streams.get(output.request_id)
