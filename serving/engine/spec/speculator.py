@@ -34,6 +34,11 @@ def amortized_catch_up(lag: int, req: Request) -> float:
     return 1 + (lag - 1) / remaining_steps
 
 
+def _decoding(req: Request) -> bool:
+    """Whether req's next step decodes (its prompt computed, one token to feed): it may carry drafts."""
+    return req.num_computed_tokens == req.num_tokens - 1 and not req.is_finished
+
+
 class Speculator:
     def __init__(
         self,
@@ -49,6 +54,7 @@ class Speculator:
         self.stats = SpecStats(accepted_per_position=[0] * config.num_draft_tokens)
         self._draft_probs: dict[str, torch.Tensor] = {}  # req_id -> q [k, vocab], verified by rejection sampling
         self._drafted: set[str] = set()  # requests that have drafted: their draft has caught up once
+        self._ahead: set[str] = set()  # requests that drafted since their last rollback (after_update)
         self._early: set[str] = set()  # requests whose current drafts were proposed early (EARLY_OUTPUTS)
         self._bookkeeping_seconds = 0.0  # this step's after_update, charged with the next proposals
         # adaptive: the policy's choices held against the clock (guard.py); a fixed k is what the operator asked for
@@ -71,20 +77,16 @@ class Speculator:
             elif allowed:  # its step also prefilled: no rate to compare, but what the drafting cost counts
                 self.guard.charge(running, self._cycle_drafting_s)
         self._cycle = None
-        decoding = [r for r in scheduler.running if r.num_computed_tokens == r.num_tokens - 1 and not r.is_finished]
-        candidates = {}
-        for req in decoding:
-            # a verification of k drafts emits up to k + 1 tokens: no drafts past max_tokens or the context
-            cap = min(self.config.num_draft_tokens, req.params.max_tokens - req.num_output_tokens - 1,
-                      self.max_model_len - req.num_tokens - 1)
-            if req.params.speculative and cap > 0:
-                candidates[req.request_id] = cap
-        if not candidates:
+        # a step the guard runs plain should cost what a spec-off step does: the guard is asked as soon as one
+        # candidate is found, and a vetoed step is spared the passes over every request that drafting needs
+        if not any(self._cap(r) > 0 for r in scheduler.running if _decoding(r)):
             return
         # the guard's buckets count every running request: a wave of new requests is priced where it will decode
         if self.guard is not None and not self.guard.allows_drafting(len(scheduler.running)):
             self._cycle = (started, len(scheduler.running), False)
             return
+        decoding = [r for r in scheduler.running if _decoding(r)]
+        candidates = {r.request_id: cap for r in decoding if (cap := self._cap(r)) > 0}
         by_id = {r.request_id: r for r in decoding}
         alone = len(candidates) == 1
         lags = {rid: self.proposer.lag(by_id[rid]) for rid in candidates}
@@ -113,6 +115,14 @@ class Speculator:
         if self.trace is not None:  # after the timing: a trace must not weigh on the speculator's own cost
             self.trace(self.policy.describe(candidates, len(decoding), catch_up, early, ks))
 
+    def _cap(self, req: Request) -> int:
+        """The most drafts req may verify next step (0: none). A verification of k drafts emits up to k + 1
+        tokens: no drafts past max_tokens or the context."""
+        if not req.params.speculative:
+            return 0
+        return min(self.config.num_draft_tokens, req.params.max_tokens - req.num_output_tokens - 1,
+                   self.max_model_len - req.num_tokens - 1)
+
     def _catch_up(self, req: Request, lag: int, alone: bool) -> float:
         """Draft tokens to charge before the draft can draft for req. The first catch-up (the prompt) is
         amortized over the request. A request that drafted before and then sat out steps pays its whole lag
@@ -133,6 +143,7 @@ class Speculator:
         for rid, tokens in proposed.tokens.items():
             if tokens:
                 self._drafted.add(rid)
+                self._ahead.add(rid)
             grammar = by_id[rid].grammar
             if grammar is not None and tokens:  # cut where the grammar rejects (lossless either way: grammar.py)
                 tokens = grammar.admissible_drafts(tokens, sampled=rid in proposed.probs)
@@ -182,21 +193,25 @@ class Speculator:
         for rid in sched.preempted_ids:
             self.release(rid)
         verified = []
-        for req in sched.scheduled:
-            drafts = sched.spec_token_ids.get(req.request_id)
-            if drafts:
-                accepted = len(sampled.get(req.request_id, [])) - 1
-                self._record_verification(accepted, len(drafts))
-                verified.append((req.request_id, accepted, len(drafts), req.request_id in self._early))
+        for rid, drafts in sched.spec_token_ids.items():
+            accepted = len(sampled.get(rid, [])) - 1
+            self._record_verification(accepted, len(drafts))
+            verified.append((rid, accepted, len(drafts), rid in self._early))
         self.policy.observe_verifications(verified)  # before release() forgets the finished ones
-        # the guard's cycle counts only if this step decoded and verified, nothing else
-        clean = not sched.preempted_ids and all(
-            n == 1 + len(sched.spec_token_ids.get(rid, [])) for rid, n in sched.num_scheduled_tokens.items())
+        # the guard's cycle counts only if this step decoded and verified, nothing else: every scheduled request
+        # ran at least its one token and its drafts, so the totals match only where each ran exactly those
+        drafted = sum(len(d) for d in sched.spec_token_ids.values())
+        clean = (not sched.preempted_ids
+                 and sched.total_num_scheduled_tokens == len(sched.num_scheduled_tokens) + drafted)
         self._cycle_tokens = sum(len(tokens) for tokens in sampled.values()) if clean else None
+        # only a proposal runs the proposer's state past the sequence (the draft's K/V of drafts the target may
+        # reject): the requests that drafted since their last rollback are the ones that may need one, whether
+        # their drafts were verified this step or the scheduler dropped them
         for req in sched.scheduled:
             if req.is_finished:
                 self.release(req.request_id)
-            else:
+            elif req.request_id in self._ahead:
+                self._ahead.discard(req.request_id)
                 self.proposer.rollback(req.request_id, req.num_computed_tokens)
         self._bookkeeping_seconds = time.perf_counter() - started
 
@@ -222,6 +237,7 @@ class Speculator:
     def release(self, req_id: str) -> None:
         """The request left the running set (finished, aborted or preempted): drop its draft state."""
         self._drafted.discard(req_id)
+        self._ahead.discard(req_id)
         self._draft_probs.pop(req_id, None)
         self._early.discard(req_id)
         self.policy.forget(req_id)

@@ -240,3 +240,25 @@ def test_a_fixed_k_has_no_guard(kit: Any, llama_dir: Path) -> None:
         engine.step()
     spec = engine.stats().spec
     assert spec.num_drafts > 0 and spec.guard_cycles == spec.guard_vetoed_cycles == spec.guard_vetoes == 0
+
+
+def test_a_step_the_guard_runs_plain_leaves_the_proposer_alone(kit: Any, llama_dir: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain cycle should cost what a spec-off step does: once the guard says no, nothing walks the requests for
+    the proposer (no lag, no proposal, no rollback of drafts nobody made), however many are running."""
+    calls: list[str] = []
+
+    def plain_and_counted(speculator: Any) -> None:
+        monkeypatch.setattr(speculator.guard, "allows_drafting", lambda num_running: False)
+        for name in ("lag", "propose", "rollback"):
+            method = getattr(speculator.proposer, name)
+
+            def counted(*a: Any, _name: str = name, _method: Any = method, **kw: Any) -> Any:
+                calls.append(_name)
+                return _method(*a, **kw)
+
+            monkeypatch.setattr(speculator.proposer, name, counted)
+
+    engine = ngram_engine_on_two_requests(kit, llama_dir, plain_and_counted, max_tokens=30)
+    assert engine.stats().spec.num_draft_tokens == 0
+    assert calls == []

@@ -113,6 +113,47 @@ def test_abort_frees_target_and_draft_blocks(kit: Any, llama_dir: Path, small_dr
     assert engine.blocks.num_used == 0 and engine.speculator.proposer.blocks.num_used == 0
 
 
+def test_the_draft_never_reads_past_what_the_target_verified(kit: Any, llama_dir: Path, small_draft_dir: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rejected drafts leave the draft's cache before it drafts again, whether the target verified them or the
+    scheduler dropped them: with four requests drafting 4 tokens each and a budget of 16 tokens a step, three verify
+    their drafts (15 tokens) and the fourth decodes its one token without its drafts. The draft's cache holds no
+    more of a sequence than the target has verified whenever it is asked for new drafts."""
+    engine = spec_engine(kit, llama_dir, method="draft", draft_model=str(small_draft_dir), adaptive=False,
+                         num_draft_tokens=4, max_batched_tokens=16, max_concurrency=4)
+    proposer = engine.speculator.proposer
+    propose = proposer.propose
+    dropped = 0
+
+    def checked(reqs: list[Any], ks: dict[str, int]) -> Any:
+        for req in reqs:
+            view = req.num_computed_tokens - proposer.offset.get(req.request_id, 0)
+            assert proposer.computed.get(req.request_id, 0) <= view, req.request_id
+        return propose(reqs, ks)
+
+    monkeypatch.setattr(proposer, "propose", checked)
+    prompts = kit.random_prompts([6 + i for i in range(4)], seed=3)
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True) for _ in prompts]
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(GenerationRequest(str(i), prompt, p))
+    sched_spec: dict[str, list[int]] = {}
+    schedule = engine.scheduler.schedule
+
+    def spy(*a: Any, **kw: Any) -> Any:
+        out = schedule(*a, **kw)
+        sched_spec.update(out.spec_token_ids)
+        return out
+
+    monkeypatch.setattr(engine.scheduler, "schedule", spy)
+    while engine.has_unfinished_requests():
+        drafted = {r.request_id for r in engine.scheduler.running if r.spec_token_ids}
+        sched_spec.clear()
+        engine.step()
+        dropped += sum(rid not in sched_spec for rid in drafted)  # scheduled or not, its drafts were not verified
+    assert dropped > 10  # the case the test is about happened
+    assert engine.stats().spec.num_draft_tokens > 0
+
+
 def test_a_draft_with_another_vocabulary_is_refused_at_load(kit: Any, llama_dir: Path, tmp_path: Path) -> None:
     other = kit.save_tiny_model(tmp_path, "llama", vocab_size=64, num_hidden_layers=1)
     with pytest.raises(DraftMismatchError, match="vocab_size"):
